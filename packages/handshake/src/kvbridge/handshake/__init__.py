@@ -1,0 +1,1 @@
+"""kvbridge side-channel handshake: wire messages, server and client."""

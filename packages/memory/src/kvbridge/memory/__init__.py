@@ -1,0 +1,1 @@
+"""kvbridge KV-cache memory regions and NIXL descriptor geometry."""

@@ -1,0 +1,1 @@
+"""kvbridge transfer engine on NVIDIA NIXL, kvbridge demo and bench."""

@@ -1,0 +1,46 @@
+"""kvbridge transfer-topology math: engines, head placement, read plans, validation.
+
+Standard library only, so operators can plan deployments without torch or NIXL.
+"""
+
+from .blocks import (
+    UnitMatch,
+    block_size_ratio,
+    blocks_for_tokens,
+    kernel_block_ids,
+    logical_block_ids,
+    match_units,
+)
+from .errors import TopologyError
+from .heads import check_tp_heads, head_range, heads_per_rank, is_replicated, ranks_holding
+from .layout import ElementLayout, element_layout
+from .parallel import TransferKey, receive_sources, send_targets
+from .plan import (
+    DimRead,
+    MambaFacts,
+    MambaPiece,
+    ProducerRankPlan,
+    RankPlan,
+    ReadOp,
+    check_compatible,
+    mamba_state_bytes,
+    notifications_expected,
+    plan_dim,
+    plan_rank,
+    producer_plans,
+    seed_handshake_ranks,
+    tp_ratio,
+)
+from .spec import ConvLayout, EngineSpec, HeadOrder, Layout, MambaSpec, dtype_size
+from .transfer import PostProcess, TransferPlan, plan_transfer
+
+__all__ = [
+    "ConvLayout", "DimRead", "ElementLayout", "EngineSpec", "HeadOrder", "Layout", "MambaFacts",
+    "MambaPiece", "MambaSpec", "PostProcess", "ProducerRankPlan", "RankPlan", "ReadOp",
+    "TopologyError", "TransferKey", "TransferPlan", "UnitMatch", "block_size_ratio",
+    "blocks_for_tokens", "check_compatible", "check_tp_heads", "dtype_size", "element_layout",
+    "head_range", "heads_per_rank", "is_replicated", "kernel_block_ids", "logical_block_ids",
+    "mamba_state_bytes", "match_units", "notifications_expected", "plan_dim", "plan_rank",
+    "plan_transfer", "producer_plans", "ranks_holding", "receive_sources", "seed_handshake_ranks",
+    "send_targets", "tp_ratio",
+]

@@ -1,0 +1,238 @@
+"""Descriptions of one side of a transfer: an engine's cache geometry.
+
+Everything here is a frozen value. Byte sizes are derived from the model shape
+unless the engine measured them (``block_bytes``), in which case the measured
+value wins and is checked for consistency.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from .errors import TopologyError
+
+DTYPE_SIZES: dict[str, int] = {
+    "fp32": 4,
+    "float32": 4,
+    "bf16": 2,
+    "bfloat16": 2,
+    "fp16": 2,
+    "float16": 2,
+    "fp8": 1,
+    "fp8_e4m3": 1,
+    "fp8_e5m2": 1,
+    "int8": 1,
+    "uint8": 1,
+}
+
+
+def dtype_size(name: str) -> int:
+    """Bytes per element of a dtype name such as ``"bf16"``."""
+    try:
+        return DTYPE_SIZES[name.lower()]
+    except KeyError:
+        raise TopologyError(
+            f"unknown dtype {name!r}; use one of {sorted(set(DTYPE_SIZES))}"
+        ) from None
+
+
+class Layout(str, enum.Enum):
+    """How K and V of one layer are arranged in the cache tensor."""
+
+    KV_FIRST = "kv-first"  # [2, blocks, ...]: K and V are separate regions
+    BLOCKS_FIRST = "blocks-first"  # [blocks, 2, ...]: one region, each block K then V
+
+
+class HeadOrder(str, enum.Enum):
+    """Order of the dimensions inside one K or V element of a block."""
+
+    HND = "HND"  # heads, tokens, head_dim: heads are contiguous byte ranges
+    NHD = "NHD"  # tokens, heads, head_dim: heads interleave per token
+
+
+class ConvLayout(str, enum.Enum):
+    """Order of a Mamba conv state inside its page."""
+
+    DIM_FIRST = "dim-first"  # [conv_dim, width]: channels are contiguous ranges
+    TOKEN_FIRST = "token-first"  # [width, conv_dim]
+
+
+@dataclass(frozen=True)
+class MambaSpec:
+    """Per-layer Mamba-2 state of a hybrid attention + Mamba model (unsharded sizes).
+
+    The conv state holds ``x`` (``ssm_heads * ssm_head_dim`` channels), then
+    ``B`` and ``C`` (``n_groups * state_size`` channels each), ``conv_width``
+    columns each. The SSM state is ``[ssm_heads, ssm_head_dim, state_size]``.
+    ``x`` and the SSM state shard by SSM head; ``B`` and ``C`` by group, and
+    groups are replicated when the TP size exceeds ``n_groups``.
+    """
+
+    ssm_heads: int
+    ssm_head_dim: int
+    state_size: int
+    n_groups: int
+    conv_width: int
+    conv_dtype_size: int = 2
+    ssm_dtype_size: int = 4
+    conv_layout: ConvLayout = ConvLayout.DIM_FIRST
+
+    def __post_init__(self) -> None:
+        for name in ("ssm_heads", "ssm_head_dim", "state_size", "n_groups", "conv_width",
+                     "conv_dtype_size", "ssm_dtype_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise TopologyError(f"MambaSpec.{name} must be a positive integer, got {value!r}")
+        object.__setattr__(self, "conv_layout", ConvLayout(self.conv_layout))
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """One engine (prefill or decode): its parallelism and its cache geometry.
+
+    ``block_size`` is the logical block size in tokens; an attention kernel
+    may use ``kernel_blocks_per_block`` smaller physical blocks per logical
+    one. ``block_bytes``, when given, is the measured size of one block of one
+    layer region on one rank: the K region for kv-first, the whole K+V page for
+    blocks-first, the padded page for Mamba hybrids.
+    """
+
+    engine_id: str
+    tp_size: int
+    num_kv_heads: int
+    head_dim: int
+    num_layers: int
+    block_size: int
+    dtype: str = "bf16"
+    kernel_blocks_per_block: int = 1
+    layout: Layout = Layout.KV_FIRST
+    head_order: HeadOrder = HeadOrder.HND
+    use_mla: bool = False
+    mamba: MambaSpec | None = None
+    cross_layer: bool = False
+    block_bytes: int | None = None
+    extra: tuple[tuple[str, str], ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.engine_id, str) or not self.engine_id:
+            raise TopologyError("engine_id must be a non-empty string")
+        for name in ("tp_size", "num_kv_heads", "head_dim", "num_layers", "block_size",
+                     "kernel_blocks_per_block"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise TopologyError(f"{name} must be a positive integer, got {value!r}")
+        object.__setattr__(self, "layout", Layout(self.layout))
+        object.__setattr__(self, "head_order", HeadOrder(self.head_order))
+        dtype_size(self.dtype)  # validates the name
+        if self.block_size % self.kernel_blocks_per_block:
+            raise TopologyError(
+                f"block_size {self.block_size} is not divisible by kernel_blocks_per_block "
+                f"{self.kernel_blocks_per_block}; the kernel block size must divide the logical one"
+            )
+        if self.use_mla and self.mamba is not None:
+            raise TopologyError("an engine cannot be both MLA and a Mamba hybrid")
+        if self.use_mla and self.layout is Layout.BLOCKS_FIRST:
+            raise TopologyError("MLA caches hold one latent per block; use layout kv-first")
+        if self.mamba is not None and self.layout is not Layout.BLOCKS_FIRST:
+            raise TopologyError(
+                "hybrid Mamba models share cache tensors with attention in the blocks-first "
+                "layout; set layout to blocks-first"
+            )
+        if self.block_bytes is not None and (
+            not isinstance(self.block_bytes, int) or self.block_bytes <= 0
+        ):
+            raise TopologyError(f"block_bytes must be a positive integer, got {self.block_bytes!r}")
+        # Head placement must be possible on this side alone.
+        from .heads import check_tp_heads
+
+        check_tp_heads(self.tp_size, self.kv_heads_for_placement, what=f"engine {self.engine_id!r}")
+        if self.block_bytes is not None:
+            computed = self.computed_block_bytes
+            if self.mamba is None and self.block_bytes < computed:
+                raise TopologyError(
+                    f"engine {self.engine_id!r}: measured block_bytes {self.block_bytes} is smaller "
+                    f"than the {computed} bytes one block of this model shape needs"
+                )
+            if self.mamba is None and self.block_bytes % self.elements_per_block_region:
+                raise TopologyError(
+                    f"engine {self.engine_id!r}: block_bytes {self.block_bytes} does not split into "
+                    f"{self.elements_per_block_region} equal K/V halves"
+                )
+
+    # ----- derived facts -------------------------------------------------
+    @property
+    def dtype_size(self) -> int:
+        return dtype_size(self.dtype)
+
+    @property
+    def kv_heads_for_placement(self) -> int:
+        """Heads that TP shards: the MLA latent counts as one replicated head."""
+        return 1 if self.use_mla else self.num_kv_heads
+
+    @property
+    def kernel_block_size(self) -> int:
+        return self.block_size // self.kernel_blocks_per_block
+
+    @property
+    def heads_per_rank(self) -> int:
+        """Physical KV heads stored on each rank (1 when heads are replicated)."""
+        from .heads import heads_per_rank
+
+        return heads_per_rank(self.tp_size, self.kv_heads_for_placement)
+
+    @property
+    def is_replicated(self) -> bool:
+        """True when several ranks hold the same KV head (TP > K, or MLA with TP > 1)."""
+        return self.tp_size > self.kv_heads_for_placement
+
+    @property
+    def separate_kv_regions(self) -> bool:
+        """kv-first non-MLA caches register K and V as separate regions."""
+        return self.layout is Layout.KV_FIRST and not self.use_mla
+
+    @property
+    def elements_per_block_region(self) -> int:
+        """Elements in one block of one region: 2 (K, V) for blocks-first, else 1."""
+        return 2 if (self.layout is Layout.BLOCKS_FIRST and not self.use_mla) else 1
+
+    @property
+    def head_bytes(self) -> int:
+        """Bytes of one head over one block's tokens (one element holds heads_per_rank of these)."""
+        return self.block_size * self.head_dim * self.dtype_size
+
+    @property
+    def computed_element_bytes(self) -> int:
+        return self.heads_per_rank * self.head_bytes
+
+    @property
+    def computed_block_bytes(self) -> int:
+        return self.computed_element_bytes * self.elements_per_block_region
+
+    @property
+    def region_block_bytes(self) -> int:
+        """Bytes of one block of one region on one rank (measured when known)."""
+        return self.block_bytes if self.block_bytes is not None else self.computed_block_bytes
+
+    @property
+    def element_bytes(self) -> int:
+        """Bytes of one K or V element (or the MLA latent) of one block on one rank."""
+        if self.mamba is not None:
+            return self.computed_element_bytes
+        return self.region_block_bytes // self.elements_per_block_region
+
+    @property
+    def regions_per_layer(self) -> int:
+        return 2 if self.separate_kv_regions else 1
+
+    @property
+    def bytes_per_token(self) -> int:
+        """KV bytes one token occupies on one rank, all layers."""
+        per_layer = self.heads_per_rank * self.head_dim * self.dtype_size
+        return per_layer * (1 if self.use_mla else 2) * self.num_layers
+
+    def with_rank_independent(self, **changes: object) -> EngineSpec:
+        """A copy with some fields replaced (dataclasses.replace, typed for callers)."""
+        from dataclasses import replace
+
+        return replace(self, **changes)  # type: ignore[arg-type]

@@ -1,0 +1,1 @@
+"""kvbridge KV connector for vLLM (uses the vLLM and torch already installed)."""
