@@ -128,14 +128,32 @@ def _check_mamba(prefill: EngineSpec, decode: EngineSpec, plan) -> None:
         ):
             pieces = [x for x in f.mamba_pieces if x.name == name]
             mine = _heads(decode.tp_size, units, p.local_rank)
-            covered = sum(x.length for x in pieces)
-            assert covered == len(mine) * unit
-            local_starts = sorted(x.local_offset for x in pieces)
-            assert len(set(local_starts)) == len(local_starts)
+            lbase = _piece_base(decode, name)
+            got = []
+            for x in pieces:
+                theirs = _heads(prefill.tp_size, units, x.remote_rank)
+                rbase = _piece_base(prefill, name)
+                assert x.length % unit == 0 and x.length > 0
+                assert (x.remote_offset - rbase) % unit == 0 and (x.local_offset - lbase) % unit == 0
+                n = x.length // unit
+                r0, l0 = (x.remote_offset - rbase) // unit, (x.local_offset - lbase) // unit
+                assert r0 + n <= len(theirs) and l0 + n <= len(mine)
+                carried = theirs[r0 : r0 + n]
+                assert carried == mine[l0 : l0 + n], (name, x, theirs, mine)
+                got.extend(carried)
+            assert sorted(got) == mine, f"Mamba {name} units must each be read exactly once"
         if prefill.tp_size > decode.tp_size:
             m = prefill.tp_size // decode.tp_size
             if mm.ssm_heads >= prefill.tp_size:
                 assert f.num_mamba_reads == m  # Mamba needs all |ratio| ranks
+
+
+def _piece_base(spec: EngineSpec, name: str) -> int:
+    """Offset of a Mamba piece in one rank's page, recomputed from the shapes."""
+    m, t = spec.mamba, spec.tp_size
+    x = max(1, m.ssm_heads // t) * m.ssm_head_dim * m.conv_width * m.conv_dtype_size
+    bc = max(1, m.n_groups // t) * m.state_size * m.conv_width * m.conv_dtype_size
+    return {"x": 0, "B": x, "C": x + bc, "ssm": x + 2 * bc}[name]
 
 
 @settings(max_examples=400, deadline=None)
