@@ -9,6 +9,8 @@ ignored by an older decoder.
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import operator
 
 import msgspec
 
@@ -163,6 +165,20 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _regions_ok(addrs: list[int], sizes: list[int], lens: list[int], num_blocks: int) -> bool:
+    """Fast path: True when every region is sound (the slow loop then finds nothing to say)."""
+    try:
+        if not set(map(type, itertools.chain(addrs, sizes, lens))) <= {int}:
+            return False
+        return (
+            min(addrs) >= 0 and min(sizes) > 0 and min(lens) > 0
+            and max(map(operator.add, addrs, sizes)) <= _U64
+            and all(map(operator.ge, sizes, [num_blocks * x for x in lens]))
+        )
+    except (TypeError, ValueError):
+        return False
+
+
 def metadata_problems(md: AgentMetadata) -> list[str]:
     """Every internal inconsistency of ``md`` as a readable sentence (empty when consistent)."""
     problems: list[str] = []
@@ -205,7 +221,7 @@ def metadata_problems(md: AgentMetadata) -> list[str]:
             f"region counts differ: {n} base addresses, {len(md.region_sizes)} sizes, "
             f"{len(md.block_lens)} block lengths (one of each per region)"
         )
-    else:
+    elif not _regions_ok(md.region_base_addrs, md.region_sizes, md.block_lens, md.num_blocks):
         for i, (addr, size, blen) in enumerate(
             zip(md.region_base_addrs, md.region_sizes, md.block_lens, strict=True)
         ):
