@@ -179,8 +179,12 @@ def _regions_ok(addrs: list[int], sizes: list[int], lens: list[int], num_blocks:
         return False
 
 
-def metadata_problems(md: AgentMetadata) -> list[str]:
-    """Every internal inconsistency of ``md`` as a readable sentence (empty when consistent)."""
+def metadata_problems(md: AgentMetadata, *, check_engine: bool = True) -> list[str]:
+    """Every internal inconsistency of ``md`` as a readable sentence (empty when consistent).
+
+    ``check_engine=False`` skips rebuilding the EngineSpec from ``md.engine``
+    (for callers that already checked equal engine facts of another rank).
+    """
     problems: list[str] = []
     for name in ("engine_id", "incarnation", "agent_name", "attention_backend"):
         value = getattr(md, name)
@@ -249,10 +253,11 @@ def metadata_problems(md: AgentMetadata) -> list[str]:
 
     # The engine facts must describe this rank's engine.
     e = md.engine
-    try:
-        e.to_spec()
-    except (ValueError, TypeError) as exc:  # TopologyError is a ValueError
-        problems.append(f"engine facts do not describe a valid engine: {exc}")
+    if check_engine:
+        try:
+            e.to_spec()
+        except (ValueError, TypeError) as exc:  # TopologyError is a ValueError
+            problems.append(f"engine facts do not describe a valid engine: {exc}")
     pairs = (
         ("engine_id", md.engine_id, e.engine_id),
         ("tp_size", md.tp_size, e.tp_size),
