@@ -139,5 +139,8 @@ def test_element_layouts():
     cl = element_layout(spec(tp=2, cross_layer=True))
     assert cl.regions == 1 and cl.elements_per_block == 4
     assert cl.element_roles == ((0, 0), (0, 1), (1, 0), (1, 1))
+    # the single block holds every layer's K and V (found by the memory oracle)
+    assert cl.element_offsets == tuple(i * kv.element_bytes for i in range(4))
+    assert cl.region_block_bytes == 4 * kv.element_bytes
     measured = spec(tp=2, layout=Layout.BLOCKS_FIRST, block_bytes=2 * kv.element_bytes + 512)
     assert measured.region_block_bytes == 2 * kv.element_bytes + 512

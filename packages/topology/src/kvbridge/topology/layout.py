@@ -33,21 +33,18 @@ def element_layout(spec: EngineSpec) -> ElementLayout:
     kinds = 1 if spec.use_mla else 2
     elem = spec.element_bytes
     if spec.cross_layer:
-        per_layer = spec.region_block_bytes
+        # one tensor: each block holds every layer's slot (K then V, or the latent)
         n = spec.num_layers * kinds
-        if spec.layout is Layout.BLOCKS_FIRST or spec.use_mla:
-            offsets = tuple(i * elem for i in range(n))
-        else:
-            # kv-first inside each layer slot: the layer slot still holds K then V
-            offsets = tuple(i * elem for i in range(n))
         roles = tuple((layer, k) for layer in range(spec.num_layers) for k in range(kinds))
+        slot = spec.region_block_bytes
+        offsets = tuple(layer * slot + k * elem for layer in range(spec.num_layers) for k in range(kinds))
         return ElementLayout(
             separate_kv_regions=False,
             regions=1,
             elements_per_block=n,
             element_bytes=elem,
             element_offsets=offsets,
-            region_block_bytes=per_layer * spec.num_layers,
+            region_block_bytes=slot * spec.num_layers,
             element_roles=roles,
         )
     if spec.separate_kv_regions:

@@ -188,13 +188,17 @@ class EngineSpec:
 
     @property
     def separate_kv_regions(self) -> bool:
-        """kv-first non-MLA caches register K and V as separate regions."""
-        return self.layout is Layout.KV_FIRST and not self.use_mla
+        """kv-first non-MLA caches (not cross-layer) register K and V as separate regions."""
+        return self.layout is Layout.KV_FIRST and not self.use_mla and not self.cross_layer
 
     @property
     def elements_per_block_region(self) -> int:
-        """Elements in one block of one region: 2 (K, V) for blocks-first, else 1."""
-        return 2 if (self.layout is Layout.BLOCKS_FIRST and not self.use_mla) else 1
+        """Elements in one block of one layer's region: 2 (K, V) when K and V share it, else 1.
+
+        For a cross-layer cache this is one layer's slot of the single block.
+        """
+        shared = self.layout is Layout.BLOCKS_FIRST or self.cross_layer
+        return 2 if (shared and not self.use_mla) else 1
 
     @property
     def head_bytes(self) -> int:
