@@ -170,3 +170,18 @@ def test_conv_state_split_needs_dim_first_layout():
     with pytest.raises(TopologyError, match="dim-first"):
         plan_transfer(mk("p", 2), mk("d", 1))
     plan_transfer(mk("p", 2), mk("d", 2))  # same TP: no split, any layout works
+
+
+def test_kernel_block_splits_plan_per_physical_block():
+    # logical blocks of 8 tokens split into 2 kernel blocks of 4: each kernel block is
+    # [heads, 4, dim], so head offsets are multiples of one head over 4 tokens
+    mk = lambda i, tp: EngineSpec(i, tp_size=tp, num_kv_heads=4, head_dim=8, num_layers=1,
+                                  block_size=8, kernel_blocks_per_block=2, dtype="fp32")
+    plan = plan_transfer(mk("p", 1), mk("d", 2))
+    hb = 4 * 8 * 4
+    assert plan.rank(1).unit_tokens == 4
+    assert plan.rank(1).reads == (ReadOp(0, 2 * hb, 2 * hb, 0),)
+    assert plan.descriptors_per_block(1) == 2 * 2  # K and V regions x 2 kernel blocks
+    with pytest.raises(TopologyError, match="kernel block sizes 4 and 6"):
+        plan_transfer(mk("p", 1), EngineSpec("d", tp_size=1, num_kv_heads=4, head_dim=8, num_layers=1,
+                                             block_size=24, kernel_blocks_per_block=4, dtype="fp32"))

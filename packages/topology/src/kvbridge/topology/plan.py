@@ -183,12 +183,15 @@ def check_compatible(local: EngineSpec, remote: EngineSpec) -> None:
             f"{where}: Mamba state differs ({local.mamba} vs {remote.mamba}); "
             "both engines must serve the same hybrid model"
         )
-    big, small = max(local.block_size, remote.block_size), min(local.block_size, remote.block_size)
-    if big % small:
-        raise TopologyError(
-            f"{where}: block sizes {local.block_size} and {remote.block_size} tokens do not divide; "
-            "the larger block size must be a multiple of the smaller"
-        )
+    for what, a, b in (
+        ("block sizes", local.block_size, remote.block_size),
+        ("kernel block sizes", local.kernel_block_size, remote.kernel_block_size),
+    ):
+        if max(a, b) % min(a, b):
+            raise TopologyError(
+                f"{where}: {what} {a} and {b} tokens do not divide; "
+                "the larger block size must be a multiple of the smaller"
+            )
     if local.block_size != remote.block_size and local.mamba is not None:
         raise TopologyError(
             f"{where}: hybrid Mamba models need equal block sizes on both sides "
@@ -200,14 +203,14 @@ def check_compatible(local: EngineSpec, remote: EngineSpec) -> None:
             "mismatch; use equal block sizes"
         )
     if (
-        local.block_size < remote.block_size
+        local.kernel_block_size < remote.kernel_block_size
         and remote.head_order is HeadOrder.HND
         and remote.heads_per_rank > 1
         and not local.use_mla
     ):
         raise TopologyError(
-            f"{where}: the remote blocks ({remote.block_size} tokens) are larger than the local ones "
-            f"({local.block_size}) and hold {remote.heads_per_rank} heads in HND order, so a local "
+            f"{where}: the remote (kernel) blocks ({remote.kernel_block_size} tokens) are larger than "
+            f"the local ones ({local.kernel_block_size}) and hold {remote.heads_per_rank} heads in HND order, so a local "
             "block's tokens are not contiguous there; make the local block size >= the remote one, "
             "or use NHD on the remote side"
         )
@@ -227,7 +230,13 @@ def _mamba_shape(spec: EngineSpec) -> tuple[int, ...] | None:
 
 
 def unit_tokens(local: EngineSpec, remote: EngineSpec) -> int:
-    return min(local.block_size, remote.block_size)
+    """Tokens per transfer unit: the smaller of the two sides' physical (kernel) blocks.
+
+    A logical block is ``kernel_blocks_per_block`` physical blocks, each laid out
+    ``[heads, kernel tokens, dim]`` (HND), so byte offsets of heads are only
+    meaningful within one physical block.
+    """
+    return min(local.kernel_block_size, remote.kernel_block_size)
 
 
 def _unit_head_bytes(local: EngineSpec, remote: EngineSpec) -> int:
@@ -298,7 +307,7 @@ def _check_head_order(local: EngineSpec, remote: EngineSpec, plan: RankPlan) -> 
         )
     if (
         split
-        and local.block_size > remote.block_size
+        and local.kernel_block_size > remote.kernel_block_size
         and local.head_order is not HeadOrder.HND
         and local.heads_per_rank > 1
     ):

@@ -92,7 +92,7 @@ def plan_to_json(plan: TransferPlan) -> dict[str, Any]:
         "decode": _engine_doc(plan.decode),
         "tp_ratio": plan.tp_ratio,
         "block_size_ratio": _ratio_number(plan.decode.block_size, plan.prefill.block_size),
-        "unit_tokens": min(plan.decode.block_size, plan.prefill.block_size),
+        "unit_tokens": min(plan.decode.kernel_block_size, plan.prefill.kernel_block_size),
         "decode_ranks": decode_docs,
         "prefill_ranks": [
             {
@@ -145,7 +145,7 @@ def plan_to_text(plan: TransferPlan) -> str:
         f"model:   {D.num_kv_heads} KV heads x {D.head_dim}, {D.num_layers} layers, {D.dtype}; "
         f"TP ratio {ratio}; block-size ratio {_ratio_number(D.block_size, P.block_size)}"
     )
-    unit = min(P.block_size, D.block_size)
+    unit = min(P.kernel_block_size, D.kernel_block_size)
     lines.append(
         f"moved:   {_human(D.bytes_per_token)} per token per decode rank, "
         f"{_human(D.bytes_per_token * D.tp_size)} per token in all; "

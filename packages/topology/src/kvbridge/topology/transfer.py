@@ -21,7 +21,7 @@ from .spec import EngineSpec, HeadOrder
 class PostProcess:
     """Rearrangement a decode rank applies to received blocks, if any.
 
-    Received bytes of one local block are ``units_per_block`` units, each in the
+    Received bytes of one local physical (kernel) block are ``units_per_block`` units, each in the
     remote head order (``source_order``) with ``unit_tokens`` tokens; the local
     cache wants one block in ``target_order`` with all the tokens.
     """
@@ -74,8 +74,8 @@ def plan_transfer(prefill: EngineSpec, decode: EngineSpec) -> TransferPlan:
     ranks = tuple(plan_rank(decode, prefill, r) for r in range(decode.tp_size))
     producers = producer_plans(ranks, prefill.tp_size)
     ratio = block_size_ratio(decode.block_size, prefill.block_size)
-    unit_tok = min(decode.block_size, prefill.block_size)
-    units_per_block = decode.block_size // unit_tok
+    unit_tok = min(decode.kernel_block_size, prefill.kernel_block_size)
+    units_per_block = decode.kernel_block_size // unit_tok  # per physical (kernel) block
     multi_head = decode.heads_per_rank > 1 and not decode.use_mla
     needed = not decode.use_mla and (
         (prefill.head_order is not decode.head_order and multi_head)
