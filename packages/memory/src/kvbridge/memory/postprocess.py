@@ -1,0 +1,5 @@
+"""(being implemented)"""
+
+
+def post_process(regions, block_ids, post, spec):
+    raise NotImplementedError
