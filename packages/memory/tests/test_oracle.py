@@ -6,7 +6,7 @@ import kvbridge.memory.descriptors as descriptors
 import numpy as np
 import pytest
 import torch
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
 from kvbridge.memory import kernel_spec
 from kvbridge.topology import HeadOrder, Layout, MambaSpec, TopologyError, plan_transfer
@@ -65,7 +65,7 @@ def _tps(K: int) -> list[int]:
 
 @st.composite
 def cases(draw) -> Case:
-    kind = draw(st.sampled_from(["attn"] * 6 + ["mla", "mamba", "cross"]))
+    kind = draw(st.sampled_from(["attn"] * 4 + ["mla", "mamba", "mamba", "cross"]))
     mla = kind == "mla"
     K = 1 if mla else draw(st.sampled_from([1, 2, 4, 8] if kind != "mamba" else [2, 4, 8]))
     tps = _tps(K) if kind != "mamba" else [t for t in _tps(K) if 8 % t == 0]
@@ -105,11 +105,16 @@ def cases(draw) -> Case:
     return case
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.filter_too_much,
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.filter_too_much,
                                                                    HealthCheck.too_slow])
 @given(cases())
 def test_oracle_grid(case):
-    run_case(case)
+    stats = run_case(case)
+    kind = "mla" if case.mla else "mamba" if case.mamba else "cross" if case.cross_layer else "attn"
+    event(f"kind={kind}")
+    event(f"post_process={stats['post']}")
+    event(f"block_ratio={case.p_block != case.d_block}")
+    event(f"prefix_hit={case.skip_blocks > 0}")
 
 
 def test_oracle_catches_a_wrong_offset(monkeypatch):
