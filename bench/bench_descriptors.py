@@ -16,7 +16,6 @@ import argparse
 import time
 
 import numpy as np
-
 from kvbridge.memory import RegionGeometry, kernel_spec, rank_descriptors
 from kvbridge.topology import EngineSpec, plan_rank
 
@@ -62,11 +61,19 @@ def main() -> None:
           f"TP {args.prefill_tp} -> {args.decode_tp}; decode rank 0 reads prefill ranks "
           f"{list(plan.source_ranks)}")
 
-    t_np = t_py = 0.0
+    t_cold = t_np = t_py = 0.0
     total = 0
     strided_rows = 0
     for q in plan.source_ranks:
         reads = plan.reads_from(q)
+        # cold: the first build of a list also pays for the OS handing out fresh pages
+        t0 = time.perf_counter()
+        rd = rank_descriptors(plan, q, local, remotes[q])
+        remote_np = rd.remote_descs()
+        local_np = rd.local_descs()
+        t_cold += time.perf_counter() - t0
+        del remote_np, local_np
+        # warm: the same build again, into memory the process already holds
         t0 = time.perf_counter()
         rd = rank_descriptors(plan, q, local, remotes[q])
         remote_np = rd.remote_descs()
@@ -91,13 +98,16 @@ def main() -> None:
 
     print(f"descriptors built: {total:,} (local + remote, N x 3), identical both ways")
     print(f"python per-block tuple loop: {t_py:8.3f} s")
-    print(f"kvbridge.memory (numpy):     {t_np:8.3f} s")
-    print(f"speed-up: {t_py / t_np:.0f}x (target >= 100x)")
+    print(f"kvbridge.memory (numpy), first build (fresh pages): {t_cold:8.3f} s "
+          f"-> {t_py / t_cold:.0f}x")
+    print(f"kvbridge.memory (numpy), rebuild (warm memory):     {t_np:8.3f} s "
+          f"-> {t_py / t_np:.0f}x (target >= 100x)")
     t0 = time.perf_counter()
     rows = [rank_descriptors(plan, q, local, remotes[q]) for q in plan.source_ranks]
     t_rows = time.perf_counter() - t0
     print(f"strided N x 5 form: {strided_rows} rows in all ({strided_rows // (2 * len(rows))} per list "
           f"= regions x reads x units) for {total:,} descriptors; built in {t_rows * 1e3:.2f} ms")
+    print(f"speed-up, strided N x 5 (what NIXL >= 1.5 prepares): {t_py / t_rows:,.0f}x")
 
 
 if __name__ == "__main__":

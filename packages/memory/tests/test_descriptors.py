@@ -6,7 +6,6 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from kvbridge.memory import MemoryLayoutError, RegionGeometry, kernel_spec, rank_descriptors
 from kvbridge.memory.descriptors import expand_strided
 from kvbridge.topology import EngineSpec, HeadOrder, kernel_block_ids, match_units, plan_rank
@@ -133,6 +132,8 @@ def test_bad_ids_and_peers_are_refused():
         rd.indices([10], [0])
     with pytest.raises(MemoryLayoutError, match="group"):
         rd.indices([1], [1], group="ssm")
+    with pytest.raises(MemoryLayoutError, match="no Mamba state"):
+        rd.indices([1], [1], group="mamba")
     other = spec("p", 4, 16, layers=2)
     with pytest.raises(MemoryLayoutError, match="same KV-cache layout"):
         rank_descriptors(plan, 0, lg, geo(other, 10, 1 << 32))

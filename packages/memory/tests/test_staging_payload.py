@@ -6,7 +6,6 @@ import itertools
 
 import pytest
 import torch
-
 from kvbridge.memory import (
     HostStaging,
     MemoryLayoutError,
