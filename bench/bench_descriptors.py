@@ -16,6 +16,7 @@ import argparse
 import time
 
 import numpy as np
+
 from kvbridge.memory import RegionGeometry, kernel_spec, rank_descriptors
 from kvbridge.topology import EngineSpec, plan_rank
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+
 from kvbridge.memory import (
     RegionGeometry,
     kernel_spec,

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from kvbridge.memory import MemoryLayoutError, RegionGeometry, kernel_spec, rank_descriptors
 from kvbridge.memory.descriptors import expand_strided
 from kvbridge.topology import EngineSpec, HeadOrder, kernel_block_ids, match_units, plan_rank
@@ -113,12 +114,16 @@ def test_prefix_hit_default_follows_the_vllm_convention():
     assert li[:2].tolist() == [7, 8] and ri[:2].tolist() == [3, 4]
 
 
-def test_plan_on_logical_specs_with_kernel_split_is_refused():
+def test_plans_on_logical_and_kernel_specs_agree():
+    # topology plans transfer units on physical (kernel) blocks, so a plan made on
+    # the logical specs gives exactly the descriptors of one made on kernel_spec()
     loc, rem = spec("d", 2, 32, n=2), spec("p", 2, 32, n=2)
     lg, rg = geo(loc, 10, 1 << 20), geo(rem, 10, 1 << 32)
-    with pytest.raises(MemoryLayoutError, match="kernel_spec"):
-        rank_descriptors(plan_rank(loc, rem, 0), 0, lg, rg)
-    rank_descriptors(plan_rank(kernel_spec(loc), kernel_spec(rem), 0), 0, lg, rg)
+    a = rank_descriptors(plan_rank(loc, rem, 0), 0, lg, rg)
+    b = rank_descriptors(plan_rank(kernel_spec(loc), kernel_spec(rem), 0), 0, lg, rg)
+    for strided in (False, True):
+        assert np.array_equal(a.remote_descs(strided=strided), b.remote_descs(strided=strided))
+        assert np.array_equal(a.local_descs(strided=strided), b.local_descs(strided=strided))
 
 
 def test_bad_ids_and_peers_are_refused():

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-import kvbridge.memory.descriptors as descriptors
 import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, assume, event, given, settings
 from hypothesis import strategies as st
+from oracle import Case, run_case
+
+import kvbridge.memory.descriptors as descriptors
 from kvbridge.memory import kernel_spec
 from kvbridge.topology import HeadOrder, Layout, MambaSpec, TopologyError, plan_transfer
-from oracle import Case, run_case
 
 H, N = HeadOrder.HND, HeadOrder.NHD
 

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
+
 from kvbridge.memory import MemoryLayoutError, RegionGeometry, regions_from_kv_caches
 from kvbridge.topology import EngineSpec, HeadOrder, Layout, MambaSpec
 
@@ -48,13 +51,13 @@ def test_hnd_permuted_view_is_accepted():
     # memory [2, blocks, heads, tokens, dim], viewed as [2, blocks, tokens, heads, dim]
     s = spec(head_order=HeadOrder.HND)
     mem = torch.zeros(2, 5, 2, 4, 4, dtype=torch.bfloat16)
-    regs = regions_from_kv_caches([mem.transpose(2, 3), mem.transpose(2, 3)], s.with_rank_independent(num_layers=2))
+    regs = regions_from_kv_caches([mem.transpose(2, 3), mem.transpose(2, 3)], dataclasses.replace(s, num_layers=2))
     assert regs.regions[0].block_stride == 64
 
 
 def test_mla_single_region_per_layer():
     s = spec(num_kv_heads=1, use_mla=True, head_dim=8)
-    regs = regions_from_kv_caches([torch.zeros(7, 4, 8, dtype=torch.bfloat16)] * 1, s.with_rank_independent(num_layers=1))
+    regs = regions_from_kv_caches([torch.zeros(7, 4, 8, dtype=torch.bfloat16)] * 1, dataclasses.replace(s, num_layers=1))
     assert len(regs.regions) == 1 and regs.regions[0].element_offsets == (0,)
 
 

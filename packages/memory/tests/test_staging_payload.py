@@ -6,6 +6,7 @@ import itertools
 
 import pytest
 import torch
+
 from kvbridge.memory import (
     HostStaging,
     MemoryLayoutError,

@@ -182,6 +182,6 @@ def test_kernel_block_splits_plan_per_physical_block():
     assert plan.rank(1).unit_tokens == 4
     assert plan.rank(1).reads == (ReadOp(0, 2 * hb, 2 * hb, 0),)
     assert plan.descriptors_per_block(1) == 2 * 2  # K and V regions x 2 kernel blocks
-    with pytest.raises(TopologyError, match="kernel block sizes 4 and 6"):
+    with pytest.raises(TopologyError, match="kernel block sizes 6 and 4"):
         plan_transfer(mk("p", 1), EngineSpec("d", tp_size=1, num_kv_heads=4, head_dim=8, num_layers=1,
                                              block_size=24, kernel_blocks_per_block=4, dtype="fp32"))

@@ -14,9 +14,9 @@ Conventions
   split each logical block into ``kernel_blocks_per_block`` physical blocks;
   descriptors for attention are per **kernel** block (block id ``b`` -> kernel
   ids ``b*n .. b*n+n-1``). Mamba state is per logical block (page), never split.
-* Topology plans must be made on kernel-level specs so their transfer units
-  match the physical blocks: ``plan_rank(kernel_spec(local), kernel_spec(remote), r)``
-  (identity when ``kernel_blocks_per_block == 1``).
+* Topology plans transfer units on physical (kernel) blocks, so
+  ``plan_rank(local, remote, r)`` and ``plan_rank(kernel_spec(local),
+  kernel_spec(remote), r)`` give the same plan.
 * Descriptor arrays are ``numpy.uint64``: N x 3 ``(address, length, device)`` or
   strided N x 5 ``(address, length, device, stride, count)`` where one row stands
   for ``count`` descriptors ``stride`` apart. Both forms enumerate the same

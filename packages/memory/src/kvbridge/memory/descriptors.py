@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
 from kvbridge.topology import RankPlan
 
 from .errors import MemoryLayoutError
@@ -236,8 +237,8 @@ def rank_descriptors(
 ) -> RankDescriptors:
     """Descriptor rows of ``plan`` for ``remote_rank``: remote list and local split list.
 
-    ``plan`` must come from ``plan_rank(kernel_spec(local_spec),
-    kernel_spec(remote_spec), rank)``. A remote rank that is only notified
+    ``plan`` comes from ``plan_rank(local_spec, remote_spec, rank)`` (topology
+    plans on physical blocks, so planning on ``kernel_spec()`` gives the same). A remote rank that is only notified
     (or, in hybrids, read for Mamba state only) gets no attention rows.
     """
     if remote_rank not in plan.handshake_ranks and remote_rank not in plan.source_ranks:

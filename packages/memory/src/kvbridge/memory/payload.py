@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import torch
+
 from kvbridge.topology import Layout, head_range, ranks_holding
 
 from .errors import MemoryLayoutError

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
+
 from kvbridge.topology import EngineSpec, HeadOrder, PostProcess
 
 from .errors import MemoryLayoutError

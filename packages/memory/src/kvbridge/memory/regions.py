@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+
 from kvbridge.topology import EngineSpec
 
 from .errors import MemoryLayoutError

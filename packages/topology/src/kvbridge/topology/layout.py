@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .spec import EngineSpec, Layout
+from .spec import EngineSpec
 
 
 @dataclass(frozen=True)

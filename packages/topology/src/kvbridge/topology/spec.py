@@ -148,7 +148,10 @@ class EngineSpec:
 
         check_tp_heads(self.tp_size, self.kv_heads_for_placement, what=f"engine {self.engine_id!r}")
         if self.block_bytes is not None:
-            computed = self.computed_block_bytes
+            # attention part only: a Mamba state page is checked against the real
+            # tensors when they are registered (kvbridge.memory), since kernel-block
+            # views of a hybrid page are smaller than the state they belong to
+            computed = self.computed_element_bytes * self.elements_per_block_region
             if self.block_bytes < computed:
                 raise TopologyError(
                     f"engine {self.engine_id!r}: measured block_bytes {self.block_bytes} is smaller "
