@@ -1,0 +1,783 @@
+"""The transfer engine: one :class:`PrefillEngine` or :class:`DecodeEngine` per TP rank.
+
+Pull mode (default): the decode rank handshakes with the prefill ranks it
+needs, prepares descriptor lists once per (prefill engine, rank), and posts one
+READ per source rank per request, each carrying a completion notification.
+Prefill ranks that hold only duplicate data get a notification without a read.
+The prefill rank counts notifications and releases a request's blocks when
+every assigned decode rank has reported, or when the request's lease lapses.
+
+Push mode: the decode rank announces its blocks (:meth:`DecodeEngine.expect`);
+the prefill rank handshakes with the decode ranks it serves and WRITEs into
+them, notifying each; the decode rank completes when every source rank has
+written.
+
+Threading: each engine has one background worker thread for handshakes
+(side-channel I/O and loading remote agents). Every NIXL call goes through the
+agent's lock, so the worker and the caller's thread never call NIXL at the same
+time. Nothing the caller calls blocks on a peer: :meth:`poll` only looks.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+from kvbridge.topology import EngineSpec, RankPlan, TopologyError, TransferPlan, plan_transfer
+
+from .agent import AgentConfig, NixlAgent, NixlError, PreparedList, Transfer
+from .geometry import (
+    CacheGeometry,
+    Side,
+    check_block_ids,
+    local_pieces,
+    remote_pieces,
+    request_indices,
+    strided_descs,
+    unit_pairs,
+)
+from .ledger import DecodeTracker, Failed, FailureKind, PrefillLedger, Released, State
+from .messages import Kind, Notification, encode_notification, new_token, parse_notification
+from .sidechannel import PROTOCOL, HandshakeFailed, MetadataServer, RankInfo, fetch_rank_info
+from .stats import Stats
+
+log = logging.getLogger("kvbridge.nixl")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine knobs (all times in seconds)."""
+
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    mode: str = "pull"
+    lease_s: float = 30.0
+    renew_interval_s: float = 10.0
+    handshake_timeout_s: float = 5.0
+    transfer_timeout_s: float = 60.0
+    allow_strided: bool = True
+    mem_type: str = "DRAM"
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("pull", "push"):
+            raise ValueError(f"mode must be 'pull' or 'push', got {self.mode!r}")
+        for name in ("lease_s", "renew_interval_s", "handshake_timeout_s", "transfer_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive seconds")
+
+
+@dataclass(frozen=True)
+class TransferParams:
+    """What a prefill engine hands out for one request (through the router to the decode engine)."""
+
+    engine_id: str
+    host: str
+    port: int
+    tp_size: int
+    block_ids: tuple[int, ...]
+    token: str
+    incarnation: str = ""
+
+
+@dataclass(frozen=True)
+class PushTarget:
+    """Push mode: where a prefill engine writes one request (the decode engine's blocks)."""
+
+    engine_id: str
+    host: str
+    port: int
+    tp_size: int
+    block_ids: tuple[int, ...]
+    token: str
+    computed_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class DecodeEvents:
+    done: list[str]
+    failed: list[Failed]
+
+
+def _provisional(spec: EngineSpec, engine_id: str, tp_size: int) -> EngineSpec:
+    """A peer engine of the same model with another TP size (its TP-only facts are exact)."""
+    return replace(spec, engine_id=engine_id, tp_size=tp_size, block_bytes=None)
+
+
+# ---------------------------------------------------------------------------
+# shared machinery
+
+
+@dataclass(eq=False)
+class _Peer:
+    """One remote engine as seen from this rank."""
+
+    engine_id: str
+    host: str
+    port: int
+    tp_size: int
+    incarnation: str = ""
+    state: str = "handshaking"  # -> ready | failed
+    error: str = ""
+    plan: TransferPlan | None = None
+    infos: dict[int, RankInfo] = field(default_factory=dict)
+    agents: dict[int, str] = field(default_factory=dict)  # remote rank -> agent name
+    remote_lists: dict[int, PreparedList] = field(default_factory=dict)
+    local_lists: dict[int, PreparedList] = field(default_factory=dict)
+    pieces: dict[int, int] = field(default_factory=dict)  # remote rank -> reads per unit
+    handshake_ms: float = 0.0
+
+
+class _RankEngine:
+    role = "?"
+
+    def __init__(self, spec: EngineSpec, rank: int, geometry: CacheGeometry,
+                 config: EngineConfig | None = None, *, host: str = "127.0.0.1",
+                 server: MetadataServer | None = None, incarnation: str | None = None):
+        if not 0 <= rank < spec.tp_size:
+            raise ValueError(f"rank {rank} is outside TP size {spec.tp_size}")
+        if spec.mamba is not None:
+            raise TopologyError("the NIXL engine does not transfer Mamba hybrid caches yet")
+        self.spec, self.rank, self.geometry = spec, rank, geometry
+        self.config = config or EngineConfig()
+        self.incarnation = incarnation or uuid.uuid4().hex[:12]
+        self.stats = Stats()
+        self.agent = NixlAgent(f"{spec.engine_id}/{self.role}{rank}/{self.incarnation}", self.config.agent)
+        try:
+            self.agent.register(geometry.registration(), self.config.mem_type)
+        except Exception:
+            self.agent.close()
+            raise
+        self._own_server = server is None
+        self.server = server or MetadataServer(host)
+        self.server.publish(self.info())
+        self._peers: dict[str, _Peer] = {}
+        self._jobs: queue.Queue[_Peer | None] = queue.Queue()
+        self._results: queue.Queue[tuple[_Peer, str | None]] = queue.Queue()
+        self._worker = threading.Thread(target=self._work, name=f"kvbridge-handshake-{rank}", daemon=True)
+        self._worker.start()
+        self._closed = False
+
+    # ----- metadata ---------------------------------------------------------
+    def info(self) -> RankInfo:
+        g = self.geometry
+        return RankInfo(PROTOCOL, self.spec.engine_id, self.incarnation, self.rank, self.spec,
+                        self.agent.name, self.agent.metadata(), g.region_bases, g.num_blocks,
+                        g.block_bytes, g.device, self.server.host, self.server.port)
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return self.server.host, self.server.port
+
+    # ----- handshakes (worker thread) ----------------------------------------
+    def _peer_sides(self, peer: _Peer, q: int, plan: TransferPlan) -> tuple[Side, Side, list, list]:
+        """(my side, peer side, my pieces, peer pieces) for remote rank ``q``."""
+        raise NotImplementedError
+
+    def _peer_ranks(self, peer: _Peer, plan: TransferPlan) -> tuple[list[int], list[int]]:
+        """(ranks to handshake with, ranks that get lists prepared)."""
+        raise NotImplementedError
+
+    def _plan_for(self, peer_spec: EngineSpec) -> TransferPlan:
+        raise NotImplementedError
+
+    def _work(self) -> None:
+        while True:
+            peer = self._jobs.get()
+            if peer is None:
+                return
+            t0 = time.perf_counter()
+            try:
+                self._handshake(peer)
+                err = None
+            except (HandshakeFailed, NixlError, TopologyError, ValueError) as exc:
+                err = str(exc)
+            except Exception as exc:  # never let the worker die on a peer's input
+                err = f"{type(exc).__name__}: {exc}"
+            peer.handshake_ms = (time.perf_counter() - t0) * 1e3
+            self._results.put((peer, err))
+
+    def _handshake(self, peer: _Peer) -> None:
+        timeout = self.config.handshake_timeout_s
+        guess = self._plan_for(_provisional(self.spec, peer.engine_id, peer.tp_size))
+        ranks, _ = self._peer_ranks(peer, guess)
+        first = fetch_rank_info(peer.host, peer.port, ranks[0], timeout, peer.engine_id)
+        if first.spec.tp_size != peer.tp_size:
+            raise HandshakeFailed(
+                f"engine {peer.engine_id!r} says TP {first.spec.tp_size}, the request said {peer.tp_size}"
+            )
+        plan = self._plan_for(first.spec)
+        ranks, listed = self._peer_ranks(peer, plan)
+        infos = {ranks[0]: first}
+        for q in ranks[1:]:
+            infos[q] = fetch_rank_info(peer.host, peer.port, q, timeout, peer.engine_id)
+        for q, inf in infos.items():
+            if inf.spec != first.spec:
+                raise HandshakeFailed(f"engine {peer.engine_id!r} rank {q} describes a different engine")
+            if inf.incarnation != first.incarnation:
+                raise HandshakeFailed(
+                    f"engine {peer.engine_id!r} ranks answered with different incarnations "
+                    "(restarting?); retry later"
+                )
+            if peer.incarnation and inf.incarnation != peer.incarnation:
+                raise HandshakeFailed(
+                    f"engine {peer.engine_id!r} is incarnation {inf.incarnation}, the request was issued "
+                    f"by {peer.incarnation}; it restarted after issuing the request"
+                )
+        peer.incarnation = first.incarnation
+        peer.plan, peer.infos = plan, infos
+        for q in ranks:
+            peer.agents[q] = self.agent.add_remote(infos[q].agent_metadata)
+        for q in listed:
+            mine, theirs, my_pieces, their_pieces = self._peer_sides(peer, q, plan)
+            peer.local_lists[q] = self.agent.prepare(
+                None, strided_descs(mine, my_pieces), self.config.mem_type, self.config.allow_strided)
+            peer.remote_lists[q] = self.agent.prepare(
+                peer.agents[q], strided_descs(theirs, their_pieces), self.config.mem_type,
+                self.config.allow_strided)
+            peer.pieces[q] = len(my_pieces)
+
+    def _remote_geometry(self, peer: _Peer, q: int) -> CacheGeometry:
+        inf = peer.infos[q]
+        lay = peer.plan.prefill_layout if self.role == "d" else peer.plan.decode_layout
+        return CacheGeometry(inf.region_bases, inf.num_blocks, inf.block_bytes, lay.element_offsets,
+                             lay.element_bytes, inf.device)
+
+    def _drop_peer(self, peer: _Peer, stale: bool = True) -> None:
+        """Forget a peer engine: its lists, transfers and agents."""
+        if self._peers.get(peer.engine_id) is peer:
+            del self._peers[peer.engine_id]
+        for name in peer.agents.values():
+            self.agent.remove_remote(name)
+        for lst in peer.local_lists.values():
+            self.agent.release_list(lst)
+        peer.local_lists.clear()
+        peer.remote_lists.clear()
+        peer.agents.clear()
+        peer.state = "failed"
+        if stale:
+            self.stats.stale_agents_dropped += 1
+
+    def _start_handshake(self, engine_id: str, host: str, port: int, tp_size: int,
+                         incarnation: str) -> _Peer:
+        peer = _Peer(engine_id, host, port, tp_size, incarnation)
+        self._peers[engine_id] = peer
+        self._jobs.put(peer)
+        return peer
+
+    def _peer_for(self, engine_id: str, host: str, port: int, tp_size: int, incarnation: str) -> _Peer:
+        """The known peer, or a new handshake when unknown, moved, resized or restarted."""
+        peer = self._peers.get(engine_id)
+        if peer is not None and (
+            (peer.host, peer.port, peer.tp_size) != (host, port, tp_size)
+            or (incarnation and peer.incarnation and incarnation != peer.incarnation)
+        ):
+            if peer.state == "ready":
+                log.info("engine %s changed (restart or move): handshaking again", engine_id)
+                self._drop_peer(peer)
+            peer = None
+        if peer is None or peer.state == "failed":
+            peer = self._start_handshake(engine_id, host, port, tp_size, incarnation)
+        return peer
+
+    def _drain_handshakes(self) -> list[tuple[_Peer, str | None]]:
+        out = []
+        while True:
+            try:
+                peer, err = self._results.get_nowait()
+            except queue.Empty:
+                return out
+            if self._peers.get(peer.engine_id) is not peer:  # superseded meanwhile
+                for name in peer.agents.values():
+                    self.agent.remove_remote(name)
+                continue
+            self.stats.handshakes += 1
+            self.stats.handshake_ms += peer.handshake_ms
+            if err is None:
+                peer.state = "ready"
+            else:
+                log.warning("handshake with engine %s failed: %s", peer.engine_id, err)
+                peer.error = err
+                self._drop_peer(peer, stale=False)
+            out.append((peer, err))
+
+    def wait_idle_handshakes(self, timeout_s: float) -> None:
+        """Poll until no handshake is running (for tests and benchmarks)."""
+        deadline = time.monotonic() + timeout_s
+        while any(p.state == "handshaking" for p in self._peers.values()):
+            if time.monotonic() > deadline:
+                raise TimeoutError("handshakes still running")
+            time.sleep(0.001)
+            self._poll_handshakes()
+
+    def _poll_handshakes(self) -> None:
+        raise NotImplementedError
+
+    def resource_counts(self) -> dict[str, int]:
+        c = self.agent.counts()
+        c["peers"] = len(self._peers)
+        return c
+
+    # ----- teardown ---------------------------------------------------------
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._jobs.put(None)
+        self._worker.join(timeout=self.config.handshake_timeout_s * 4 + 1)
+        for peer in list(self._peers.values()):
+            self._drop_peer(peer, stale=False)
+        self.server.withdraw(self.rank)
+        if self._own_server:
+            self.server.close()
+        self.agent.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# ---------------------------------------------------------------------------
+# decode side
+
+
+@dataclass(eq=False)
+class _Load:
+    request_id: str
+    peer: _Peer
+    params: TransferParams | None
+    local_ids: np.ndarray
+    computed_tokens: int
+    token: str
+    transfers: dict[int, Transfer] = field(default_factory=dict)
+    last_renew: float = 0.0
+    expect_from: tuple[int, ...] = ()
+
+
+class DecodeEngine(_RankEngine):
+    """One decode rank: loads requests' blocks from prefill engines (pull) or receives them (push)."""
+
+    role = "d"
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.tracker = DecodeTracker(self.stats)
+        self._loads: dict[str, _Load] = {}
+        self._push_waiting: dict[str, set[int]] = {}
+
+    # planning hooks
+    def _plan_for(self, peer_spec: EngineSpec) -> TransferPlan:
+        return plan_transfer(peer_spec, self.spec)
+
+    def _rank_plan(self, plan: TransferPlan) -> RankPlan:
+        return plan.decode_ranks[self.rank]
+
+    def _peer_ranks(self, peer: _Peer, plan: TransferPlan) -> tuple[list[int], list[int]]:
+        rp = self._rank_plan(plan)
+        return list(rp.handshake_ranks), list(rp.source_ranks)
+
+    def _peer_sides(self, peer, q, plan):
+        rp = self._rank_plan(plan)
+        reads = rp.reads_from(q)
+        mine = Side(self.geometry, self.spec.block_size // rp.unit_tokens, rp.local_unit_bytes)
+        theirs = Side(self._remote_geometry(peer, q), plan.prefill.block_size // rp.unit_tokens,
+                      rp.remote_unit_bytes)
+        return mine, theirs, local_pieces(reads), remote_pieces(reads)
+
+    # ----- public API -------------------------------------------------------
+    def load(self, request_id: str, params: TransferParams, local_block_ids: Sequence[int],
+             computed_tokens: int = 0) -> None:
+        """Start loading a request's blocks (pull mode). Never blocks on the peer.
+
+        ``local_block_ids`` are this engine's blocks for the tokens from
+        ``computed_tokens`` on (tokens already present locally: a prefix hit);
+        ``params.block_ids`` are the prefill engine's blocks for all tokens.
+        """
+        if self.config.mode != "pull":
+            raise ValueError("load() is the pull-mode entry point; this engine is in push mode (use expect())")
+        lids = np.asarray(local_block_ids, dtype=np.int64).reshape(-1)
+        check_block_ids(lids, self.geometry.num_blocks, "local")
+        if computed_tokens < 0:
+            raise ValueError("computed_tokens cannot be negative")
+        peer = self._peer_for(params.engine_id, params.host, params.port, params.tp_size,
+                              params.incarnation)
+        now = time.monotonic()
+        self.tracker.add(request_id, params.engine_id, lids.tolist(), now + self.config.transfer_timeout_s,
+                         ready=peer.state == "ready")
+        self._loads[request_id] = _Load(request_id, peer, params, lids, computed_tokens, params.token,
+                                        last_renew=now)
+        if peer.state == "ready":
+            self._post(self._loads[request_id])
+
+    def expect(self, request_id: str, prefill_engine_id: str, prefill_tp: int, token: str,
+               local_block_ids: Sequence[int]) -> None:
+        """Push mode: wait for the prefill ranks that write this rank's share of a request."""
+        if self.config.mode != "push":
+            raise ValueError("expect() is the push-mode entry point; this engine is in pull mode")
+        lids = np.asarray(local_block_ids, dtype=np.int64).reshape(-1)
+        check_block_ids(lids, self.geometry.num_blocks, "local")
+        plan = self._plan_for(_provisional(self.spec, prefill_engine_id, prefill_tp))
+        sources = tuple(self._rank_plan(plan).source_ranks) if lids.size else ()
+        now = time.monotonic()
+        t = self.tracker.add(request_id, prefill_engine_id, lids.tolist(),
+                             now + self.config.transfer_timeout_s, ready=True)
+        self.tracker.posted(t.request_id, sources)
+        self._push_waiting[request_id] = set(sources)
+        self._loads[request_id] = _Load(request_id, _Peer(prefill_engine_id, "", 0, prefill_tp), None,
+                                        lids, 0, token, expect_from=sources)
+
+    def poll(self) -> DecodeEvents:
+        """Advance handshakes, transfers, timeouts and lease renewals; return finished requests."""
+        self._poll_handshakes()
+        if self.config.mode == "pull":
+            self._poll_transfers()
+        else:
+            self._poll_push()
+        now = time.monotonic()
+        for t in self.tracker.overdue(now):
+            self._fail(t.request_id, FailureKind.TIMEOUT,
+                       f"not complete within {self.config.transfer_timeout_s:.1f} s")
+        if self.config.mode == "pull":
+            self._renew(now)
+        return DecodeEvents(self.tracker.take_done(), self.tracker.take_failed())
+
+    @property
+    def pending(self) -> int:
+        return len(self.tracker)
+
+    # ----- internals --------------------------------------------------------
+    def _poll_handshakes(self) -> None:
+        for peer, err in self._drain_handshakes():
+            if err is None:
+                for t in self.tracker.handshake_done(peer.engine_id):
+                    self._post(self._loads[t.request_id])
+            else:
+                for f in self.tracker.handshake_failed(peer.engine_id, err):
+                    self._loads.pop(f.request_id, None)
+
+    def _notify(self, peer: _Peer, q: int, ld: _Load, kind: Kind) -> None:
+        msg = encode_notification(Notification(kind, ld.request_id, self.spec.tp_size, self.rank, ld.token))
+        self.agent.notify(peer.agents[q], msg)
+        self.stats.notifications_sent += 1
+
+    def _post(self, ld: _Load) -> None:
+        peer = ld.peer
+        plan = peer.plan
+        rp = self._rank_plan(plan)
+        rid = ld.request_id
+        try:
+            lu = self.spec.block_size // rp.unit_tokens
+            ru = plan.prefill.block_size // rp.unit_tokens
+            skip = ld.computed_tokens // rp.unit_tokens
+            rids = np.asarray(ld.params.block_ids, dtype=np.int64)
+            lb, lun, rb, run = unit_pairs(ld.local_ids, rids, lu, ru, skip)
+            parts: dict[int, Transfer] = {}
+            if lb.size:
+                msg_done = None
+                for q in rp.source_ranks:
+                    check_block_ids(rb, peer.infos[q].num_blocks, f"engine {peer.engine_id!r} rank {q}")
+                    k = peer.pieces[q]
+                    li = request_indices(lb, lun, self.geometry.roles, lu, k, self.geometry.num_blocks)
+                    ri = request_indices(rb, run, self._remote_geometry(peer, q).roles, ru, k,
+                                         peer.infos[q].num_blocks)
+                    msg_done = encode_notification(
+                        Notification(Kind.DONE, rid, self.spec.tp_size, self.rank, ld.token))
+                    x = self.agent.make_transfer("READ", peer.local_lists[q], li, peer.remote_lists[q], ri,
+                                                 msg_done)
+                    parts[q] = x
+                    ld.transfers[q] = x
+                    if self.agent.post(x) == "ERR":
+                        raise NixlError(f"posting the READ from engine {peer.engine_id!r} rank {q} failed")
+                notify = rp.notify_only_ranks
+            else:  # full prefix hit (or nothing to read): tell every rank it may free the blocks
+                notify = rp.handshake_ranks
+            for q in notify:
+                self._notify(peer, q, ld, Kind.DONE)
+            self.tracker.posted(rid, list(parts))
+            if not parts:
+                self._loads.pop(rid, None)
+        except (NixlError, ValueError) as exc:
+            self._fail(rid, FailureKind.POST, str(exc))
+
+    def _release_load(self, ld: _Load) -> None:
+        for x in ld.transfers.values():
+            if not self.agent.release_transfer(x):
+                log.warning("NIXL refused to release an active transfer of %s", ld.request_id)
+        ld.transfers.clear()
+
+    def _fail(self, rid: str, kind: FailureKind, message: str) -> None:
+        ld = self._loads.pop(rid, None)
+        if ld is not None:
+            self._release_load(ld)
+            self._push_waiting.pop(rid, None)
+        if rid in self.tracker:
+            self.tracker.fail(rid, kind, message)
+
+    def _poll_transfers(self) -> None:
+        broken: list[_Peer] = []
+        for rid, ld in list(self._loads.items()):
+            t = self.tracker.get(rid)
+            if t is None or t.state is not State.POSTED:
+                continue
+            for q, x in list(ld.transfers.items()):
+                st = self.agent.state(x)
+                if st == "PROC":
+                    continue
+                if st == "DONE":
+                    tel = self.agent.telemetry(x)
+                    if tel is not None:
+                        self.stats.bytes += tel.bytes
+                        self.stats.descriptors += tel.descriptors
+                        self.stats.post_us += tel.post_us
+                        self.stats.xfer_us += tel.xfer_us
+                    self.stats.transfers += 1
+                    self.agent.release_transfer(x)
+                    del ld.transfers[q]
+                    if self.tracker.part_done(rid, q):
+                        self._loads.pop(rid, None)
+                else:
+                    self._fail(rid, FailureKind.TRANSFER,
+                               f"READ from engine {ld.peer.engine_id!r} rank {q} ended in error")
+                    if ld.peer not in broken:
+                        broken.append(ld.peer)
+                    break
+        for peer in broken:  # a failing peer is presumed restarted or dead: handshake again next time
+            for rid, ld in list(self._loads.items()):
+                if ld.peer is peer:
+                    self._fail(rid, FailureKind.TRANSFER, f"engine {peer.engine_id!r} failed a transfer")
+            self._drop_peer(peer)
+
+    def _renew(self, now: float) -> None:
+        every = self.config.renew_interval_s
+        for ld in self._loads.values():
+            if now - ld.last_renew < every or ld.peer.state != "ready":
+                continue
+            ld.last_renew = now
+            for q in self._rank_plan(ld.peer.plan).handshake_ranks:
+                try:
+                    self._notify(ld.peer, q, ld, Kind.RENEW)
+                    self.stats.leases_renewed += 1
+                except NixlError:
+                    pass
+
+    def _poll_push(self) -> None:
+        for _sender, raw in self._iter_notifs():
+            n = parse_notification(raw)
+            self.stats.notifications_received += 1
+            if n is None or n.kind is not Kind.WRITTEN:
+                self.stats.notifications_malformed += 1
+                continue
+            ld = self._loads.get(n.request_id)
+            if ld is None:
+                self.stats.notifications_unknown += 1
+                continue
+            if n.token != ld.token:
+                self.stats.notifications_bad_token += 1
+                continue
+            # in WRITTEN messages the rank/TP fields name the prefill rank and TP
+            if n.decode_tp != ld.peer.tp_size or n.decode_rank not in ld.expect_from:
+                self.stats.notifications_malformed += 1
+                continue
+            if self.tracker.part_done(n.request_id, n.decode_rank):
+                self._loads.pop(n.request_id, None)
+                self._push_waiting.pop(n.request_id, None)
+
+    def _iter_notifs(self):
+        for sender, msgs in self.agent.notifications().items():
+            for m in msgs:
+                yield sender, m
+
+
+# ---------------------------------------------------------------------------
+# prefill side
+
+
+@dataclass(eq=False)
+class _Push:
+    request_id: str
+    peer: _Peer
+    target: PushTarget
+    block_ids: np.ndarray
+    transfers: dict[int, Transfer] = field(default_factory=dict)
+    deadline: float = 0.0
+
+
+class PrefillEngine(_RankEngine):
+    """One prefill rank: holds requests' blocks until the decode side has them."""
+
+    role = "p"
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.ledger = PrefillLedger(self._expected_for, self.config.lease_s, self.stats)
+        self._pushes: dict[str, _Push] = {}
+        self._push_queue: list[_Push] = []
+        self._push_released: list[Released] = []
+
+    def _expected_for(self, decode_tp: int) -> int:
+        plan = plan_transfer(self.spec, _provisional(self.spec, self.spec.engine_id + "#decode", decode_tp))
+        return plan.prefill_ranks[self.rank].notifications_per_request
+
+    # push-mode planning hooks: the peer is a decode engine
+    def _plan_for(self, peer_spec: EngineSpec) -> TransferPlan:
+        return plan_transfer(self.spec, peer_spec)
+
+    def _peer_ranks(self, peer: _Peer, plan: TransferPlan) -> tuple[list[int], list[int]]:
+        read_by = list(plan.prefill_ranks[self.rank].read_by)
+        return read_by, read_by
+
+    def _peer_sides(self, peer, r, plan):
+        rp = plan.decode_ranks[r]
+        reads = rp.reads_from(self.rank)
+        mine = Side(self.geometry, self.spec.block_size // rp.unit_tokens, rp.remote_unit_bytes)
+        theirs = Side(self._remote_geometry(peer, r), plan.decode.block_size // rp.unit_tokens,
+                      rp.local_unit_bytes)
+        return mine, theirs, remote_pieces(reads), local_pieces(reads)
+
+    # ----- public API -------------------------------------------------------
+    def hold(self, request_id: str, block_ids: Sequence[int], token: str | None = None) -> TransferParams:
+        """Hold a request's blocks under a lease; returns the parameters for the decode side.
+
+        All ranks of one engine must hold a request with the same token: pass
+        rank 0's token to the others (or one from :func:`new_token`).
+        """
+        ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
+        check_block_ids(ids, self.geometry.num_blocks, "prefill")
+        token = token or new_token()
+        if self.config.mode == "pull":
+            self.ledger.hold(request_id, ids.tolist(), token, time.monotonic())
+        host, port = self.address
+        return TransferParams(self.spec.engine_id, host, port, self.spec.tp_size, tuple(ids.tolist()),
+                              token, self.incarnation)
+
+    def push(self, request_id: str, block_ids: Sequence[int], target: PushTarget) -> None:
+        """Push mode: write a request's blocks into the decode engine ``target``."""
+        if self.config.mode != "push":
+            raise ValueError("push() needs an engine configured with mode='push'")
+        ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
+        check_block_ids(ids, self.geometry.num_blocks, "prefill")
+        peer = self._peer_for(target.engine_id, target.host, target.port, target.tp_size, "")
+        p = _Push(request_id, peer, target, ids, deadline=time.monotonic() + self.config.transfer_timeout_s)
+        self._pushes[request_id] = p
+        if peer.state == "ready":
+            self._post_push(p)
+        else:
+            self._push_queue.append(p)
+
+    def poll(self) -> list[Released]:
+        """Count notifications, expire leases, advance pushes; returns requests whose blocks are free."""
+        self._poll_handshakes()
+        now = time.monotonic()
+        for sender, msgs in self.agent.notifications().items():
+            for raw in msgs:
+                outcome = self.ledger.on_notification(parse_notification(raw), now)
+                if outcome in ("unknown", "bad-token", "malformed", "bad-decode-tp"):
+                    log.debug("ignored notification from %s: %s", sender, outcome)
+        for rid in self.ledger.expire(now):
+            log.warning("request %s: lease of %.1f s lapsed before every decode rank read it; "
+                        "releasing its blocks", rid, self.config.lease_s)
+        if self.config.mode == "push":
+            self._poll_pushes(now)
+        out = self.ledger.take_released() + self._push_released
+        self._push_released = []
+        return out
+
+    @property
+    def held(self) -> int:
+        return len(self.ledger) + len(self._pushes)
+
+    # ----- push internals ----------------------------------------------------
+    def _poll_handshakes(self) -> None:
+        for peer, err in self._drain_handshakes():
+            waiting = [p for p in self._push_queue if p.peer is peer]
+            self._push_queue = [p for p in self._push_queue if p.peer is not peer]
+            for p in waiting:
+                if err is None:
+                    self._post_push(p)
+                else:
+                    self._finish_push(p, f"handshake failed: {err}", FailureKind.HANDSHAKE)
+
+    def _post_push(self, p: _Push) -> None:
+        peer, plan = p.peer, p.peer.plan
+        try:
+            for r in plan.prefill_ranks[self.rank].read_by:
+                rp = plan.decode_ranks[r]
+                mu = self.spec.block_size // rp.unit_tokens
+                tu = plan.decode.block_size // rp.unit_tokens
+                skip = p.target.computed_tokens // rp.unit_tokens
+                tb, tun, mb, mun = unit_pairs(np.asarray(p.target.block_ids, dtype=np.int64), p.block_ids,
+                                              tu, mu, skip)
+                check_block_ids(tb, peer.infos[r].num_blocks, f"decode engine {peer.engine_id!r} rank {r}")
+                k = peer.pieces[r]
+                mi = request_indices(mb, mun, self.geometry.roles, mu, k, self.geometry.num_blocks)
+                ti = request_indices(tb, tun, self._remote_geometry(peer, r).roles, tu, k,
+                                     peer.infos[r].num_blocks)
+                msg = encode_notification(Notification(Kind.WRITTEN, p.request_id, self.spec.tp_size,
+                                                       self.rank, p.target.token))
+                if mb.size == 0:
+                    self.agent.notify(peer.agents[r], msg)
+                    continue
+                x = self.agent.make_transfer("WRITE", peer.local_lists[r], mi, peer.remote_lists[r], ti, msg)
+                p.transfers[r] = x
+                if self.agent.post(x) == "ERR":
+                    raise NixlError(f"posting the WRITE to engine {peer.engine_id!r} rank {r} failed")
+            if not p.transfers:
+                self._finish_push(p, None)
+        except (NixlError, ValueError) as exc:
+            self._finish_push(p, str(exc), FailureKind.POST)
+
+    def _finish_push(self, p: _Push, error: str | None, kind: FailureKind | None = None) -> None:
+        for x in p.transfers.values():
+            self.agent.release_transfer(x)
+        p.transfers.clear()
+        self._pushes.pop(p.request_id, None)
+        if error is None:
+            self.stats.requests_done += 1
+            reason = "written"
+        else:
+            log.warning("push of %s failed: %s", p.request_id, error)
+            self.stats.fail((kind or FailureKind.TRANSFER).value)
+            reason = "push-failed"
+        self.stats.requests_released += 1
+        self._push_released.append(Released(p.request_id, tuple(p.block_ids.tolist()), reason))
+
+    def _poll_pushes(self, now: float) -> None:
+        broken = []
+        for p in list(self._pushes.values()):
+            if p in self._push_queue:
+                if now >= p.deadline:
+                    self._push_queue.remove(p)
+                    self._finish_push(p, "timed out waiting for the handshake", FailureKind.TIMEOUT)
+                continue
+            for r, x in list(p.transfers.items()):
+                st = self.agent.state(x)
+                if st == "PROC":
+                    continue
+                if st == "DONE":
+                    tel = self.agent.telemetry(x)
+                    if tel is not None:
+                        self.stats.bytes += tel.bytes
+                        self.stats.descriptors += tel.descriptors
+                        self.stats.post_us += tel.post_us
+                        self.stats.xfer_us += tel.xfer_us
+                    self.stats.transfers += 1
+                    self.agent.release_transfer(x)
+                    del p.transfers[r]
+                else:
+                    self._finish_push(p, f"WRITE to rank {r} ended in error", FailureKind.TRANSFER)
+                    broken.append(p.peer)
+                    break
+            else:
+                if not p.transfers:
+                    self._finish_push(p, None)
+                elif now >= p.deadline:
+                    self._finish_push(p, "WRITE timed out", FailureKind.TIMEOUT)
+        for peer in broken:
+            if peer.state == "ready":
+                self._drop_peer(peer)
