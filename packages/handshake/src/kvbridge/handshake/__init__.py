@@ -1,1 +1,54 @@
-"""kvbridge side-channel handshake: wire messages, server and client."""
+"""kvbridge side-channel handshake: wire messages, server and client.
+
+A prefill engine serves its ranks' :class:`AgentMetadata` with a
+:class:`MetadataServer`; a decode rank calls :func:`fetch_metadata` for the
+ranks its transfer plan names. Messages are msgspec Structs in msgpack (never
+pickle), checked in two phases (envelope version and compatibility hash, then
+the metadata bodies), and every wait is bounded.
+"""
+
+from .client import DEFAULT_MAX_REPLY_BYTES, fetch_metadata
+from .errors import (
+    HandshakeError,
+    HandshakeTimeout,
+    IncompatiblePeer,
+    InvalidMetadata,
+    MalformedReply,
+    PortAllocationError,
+    RequestRejected,
+    UnknownRank,
+    WrongEngine,
+)
+from .metadata import (
+    MEMORY_TYPES,
+    AgentMetadata,
+    EngineFacts,
+    MambaSpecFacts,
+    check_metadata,
+    decode_metadata,
+    encode_metadata,
+    metadata_problems,
+)
+from .ports import SideChannelPorts, side_channel_port
+from .server import MetadataServer, ServerStats
+from .wire import (
+    ERROR_CODES,
+    PROTOCOL_VERSION,
+    ErrorReply,
+    MetadataReply,
+    MetadataRequest,
+    canonical_dtype,
+    compat_fields,
+    compatibility_hash,
+    new_incarnation,
+)
+
+__all__ = [
+    "DEFAULT_MAX_REPLY_BYTES", "ERROR_CODES", "MEMORY_TYPES", "PROTOCOL_VERSION", "AgentMetadata",
+    "EngineFacts", "ErrorReply", "HandshakeError", "HandshakeTimeout", "IncompatiblePeer",
+    "InvalidMetadata", "MalformedReply", "MambaSpecFacts", "MetadataReply", "MetadataRequest",
+    "MetadataServer", "PortAllocationError", "RequestRejected", "ServerStats",
+    "SideChannelPorts", "UnknownRank", "WrongEngine", "canonical_dtype", "check_metadata",
+    "compat_fields", "compatibility_hash", "decode_metadata", "encode_metadata",
+    "fetch_metadata", "metadata_problems", "new_incarnation", "side_channel_port",
+]

@@ -149,7 +149,7 @@ class EngineSpec:
         check_tp_heads(self.tp_size, self.kv_heads_for_placement, what=f"engine {self.engine_id!r}")
         if self.block_bytes is not None:
             computed = self.computed_block_bytes
-            if self.mamba is None and self.block_bytes < computed:
+            if self.block_bytes < computed:
                 raise TopologyError(
                     f"engine {self.engine_id!r}: measured block_bytes {self.block_bytes} is smaller "
                     f"than the {computed} bytes one block of this model shape needs"
@@ -207,7 +207,13 @@ class EngineSpec:
 
     @property
     def computed_block_bytes(self) -> int:
-        return self.computed_element_bytes * self.elements_per_block_region
+        attention = self.computed_element_bytes * self.elements_per_block_region
+        if self.mamba is None:
+            return attention
+        from .plan import mamba_state_bytes
+
+        # hybrid models share one page between attention blocks and Mamba state
+        return max(attention, mamba_state_bytes(self))
 
     @property
     def region_block_bytes(self) -> int:
@@ -231,8 +237,3 @@ class EngineSpec:
         per_layer = self.heads_per_rank * self.head_dim * self.dtype_size
         return per_layer * (1 if self.use_mla else 2) * self.num_layers
 
-    def with_rank_independent(self, **changes: object) -> EngineSpec:
-        """A copy with some fields replaced (dataclasses.replace, typed for callers)."""
-        from dataclasses import replace
-
-        return replace(self, **changes)  # type: ignore[arg-type]

@@ -1,0 +1,96 @@
+"""Developer sessions. Run them all with `uv run nox`; one with `uv run nox -s NAME`.
+
+Most sessions run inside the locked uv workspace environment (`uv run --frozen`),
+so what they test is exactly what `uv.lock` pins. `isolation` builds a fresh
+environment on purpose.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import nox
+
+nox.options.default_venv_backend = "uv"
+nox.options.sessions = ["lint", "tests", "integration", "isolation", "e2e"]
+nox.options.error_on_missing_interpreters = True
+
+ROOT = pathlib.Path(__file__).parent
+PACKAGES = ["topology", "memory", "handshake", "nixl", "vllm"]
+THIRD_PARTY = ["torch", "numpy", "zmq", "msgspec", "nixl", "nixl_cu12", "nixl_cu13"]
+
+
+def _uv_run(session: nox.Session, *args: str) -> None:
+    session.run("uv", "run", "--frozen", *args, external=True)
+
+
+@nox.session(python=False)
+def lint(session: nox.Session) -> None:
+    """ruff over every package, the tests and the scripts."""
+    _uv_run(session, "ruff", "check", ".")
+
+
+@nox.session(python=False)
+@nox.parametrize("package", PACKAGES)
+def tests(session: nox.Session, package: str) -> None:
+    """One package's own tests (packages/<package>/tests)."""
+    tests_dir = ROOT / "packages" / package / "tests"
+    if not any(tests_dir.glob("test_*.py")):
+        session.skip(f"kvbridge-{package} has no tests yet")
+    _uv_run(session, "pytest", str(tests_dir), "-q", *session.posargs)
+
+
+@nox.session(python=False)
+def integration(session: nox.Session) -> None:
+    """Cross-package multi-process tests (top-level tests/, without the vLLM e2e suite)."""
+    if not any((ROOT / "tests").glob("test_*.py")):
+        session.skip("no cross-package tests yet")
+    _uv_run(session, "pytest", "tests", "-q", "--ignore=tests/e2e", *session.posargs)
+
+
+@nox.session
+def isolation(session: nox.Session) -> None:
+    """kvbridge-topology alone in a fresh environment: no third-party package may come with it."""
+    session.install(str(ROOT / "packages" / "topology"))
+    code = (
+        "import importlib.metadata as md, importlib.util as u, sys\n"
+        "dists = sorted(d.metadata['Name'] for d in md.distributions())\n"
+        "extra = [d for d in dists if d.lower() not in ('kvbridge-topology', 'pip', 'setuptools', 'wheel')]\n"
+        f"found = [m for m in {THIRD_PARTY!r} if u.find_spec(m) is not None]\n"
+        "print('installed:', dists)\n"
+        "sys.exit(f'third-party distributions came along: {extra} {found}' if extra or found else 0)\n"
+    )
+    session.run("python", "-c", code)
+    session.run("kvbridge", "plan", "--prefill-tp", "8", "--decode-tp", "2", "--kv-heads", "8")
+    session.run("kvbridge", "plan", "--prefill-tp", "4", "--decode-tp", "1", "--kv-heads", "8",
+                "--mamba", "--json", silent=True)
+
+
+@nox.session(python=False)
+def gpu(session: nox.Session) -> None:
+    """Tests marked `gpu` (CUDA tensors, VRAM registration); skipped without CUDA."""
+    probe = "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"
+    try:
+        _uv_run(session, "python", "-c", probe)
+    except nox.command.CommandFailed:
+        session.skip("no CUDA device here")
+    _uv_run(session, "pytest", "packages", "tests", "-m", "gpu", "-q", *session.posargs)
+
+
+@nox.session(python=False)
+def e2e(session: nox.Session) -> None:
+    """Real vLLM engines doing disaggregated prefill/decode (separate environment)."""
+    script = ROOT / "scripts" / "run_e2e.sh"
+    if not script.exists():
+        session.skip("the vLLM end-to-end suite is not in this checkout yet")
+    session.run("bash", str(script), *session.posargs, external=True)
+
+
+@nox.session(python=False)
+def bench(session: nox.Session) -> None:
+    """Benchmarks: print figures against baselines measured in the same run."""
+    scripts = sorted((ROOT / "bench").glob("bench_*.py"))
+    if not scripts:
+        session.skip("no benchmarks yet")
+    for script in scripts:
+        _uv_run(session, "python", str(script), *session.posargs)

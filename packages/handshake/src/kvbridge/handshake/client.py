@@ -1,0 +1,217 @@
+"""The side-channel client: fetch and validate a remote engine's rank metadata."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+
+import msgspec
+import zmq
+
+from . import wire
+from .errors import (
+    HandshakeError,
+    HandshakeTimeout,
+    IncompatiblePeer,
+    MalformedReply,
+    RequestRejected,
+    UnknownRank,
+    WrongEngine,
+)
+from .metadata import AgentMetadata, decode_metadata, metadata_problems
+from .server import tcp_endpoint
+
+#: default bound on one reply (16 ranks of a 160-region model are ~100 KiB)
+DEFAULT_MAX_REPLY_BYTES = 64 << 20
+
+
+def fetch_metadata(
+    host: str,
+    port: int,
+    ranks: Sequence[int],
+    *,
+    engine_id: str | None = None,
+    compat_hash: str | None,
+    timeout: float = 5.0,
+    retries: int = 3,
+    backoff: float = 0.05,
+    max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES,
+    context: zmq.Context | None = None,
+) -> dict[int, AgentMetadata]:
+    """Fetch and validate the metadata of ``ranks`` from the side channel at ``host:port``.
+
+    One request names every rank; the reply is checked in two phases: the
+    envelope's protocol version and compatibility hash first, then each
+    rank's metadata body is decoded and checked (engine id, rank, TP size and
+    incarnation agree across ranks, regions are internally consistent).
+
+    Every wait is bounded: each attempt waits at most ``timeout`` seconds for
+    the reply; on a timeout the socket is discarded (closed with linger 0) and
+    the request is retried up to ``retries`` more times after sleeping
+    ``backoff * 2**attempt`` seconds. The worst case before
+    :class:`HandshakeTimeout` is about ``(retries + 1) * timeout + backoff * (2**retries - 1)``.
+
+    ``compat_hash=None`` turns the compatibility check off (expert option: the
+    caller then vouches that model, dtypes, layout and backend match).
+    ``context`` lets a caller reuse a ZMQ context (faster); by default a
+    private one is created and terminated.
+    """
+    want = _check_args(host, port, ranks, timeout, retries, backoff, max_reply_bytes)
+    own_ctx = context is None
+    ctx = zmq.Context(io_threads=1) if own_ctx else context
+    endpoint = tcp_endpoint(host, port)
+    nonce = int.from_bytes(os.urandom(8), "little") >> 1
+    request = wire.encode(wire.MetadataRequest(
+        protocol_version=wire.PROTOCOL_VERSION, ranks=want, engine_id=engine_id, nonce=nonce))
+    try:
+        reply = _request(ctx, endpoint, request, timeout, retries, backoff, max_reply_bytes,
+                         want, engine_id)
+    finally:
+        if own_ctx:
+            ctx.term()
+    return _validate(reply, endpoint, want, engine_id, compat_hash, nonce)
+
+
+def _check_args(host: object, port: object, ranks: Sequence[int], timeout: float, retries: int,
+                backoff: float, max_reply_bytes: int) -> list[int]:
+    if not isinstance(host, str) or not host:
+        raise ValueError(f"host must be a non-empty string, got {host!r}")
+    if not isinstance(port, int) or isinstance(port, bool) or not 1 <= port <= 65535:
+        raise ValueError(f"port must be in 1..65535, got {port!r}")
+    if isinstance(ranks, (str, bytes)) or not isinstance(ranks, Sequence):
+        raise ValueError(f"ranks must be a sequence of integers, got {ranks!r}")
+    want: list[int] = []
+    for r in ranks:
+        if not isinstance(r, int) or isinstance(r, bool) or r < 0:
+            raise ValueError(f"ranks must be non-negative integers, got {r!r}")
+        if r not in want:
+            want.append(r)
+    if not want:
+        raise ValueError("ranks is empty: name at least one remote rank")
+    if len(want) > wire.MAX_RANKS_PER_REQUEST:
+        raise ValueError(f"at most {wire.MAX_RANKS_PER_REQUEST} ranks per request")
+    if not timeout > 0:
+        raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
+    if not isinstance(retries, int) or retries < 0:
+        raise ValueError(f"retries must be an integer >= 0, got {retries!r}")
+    if not backoff >= 0:
+        raise ValueError(f"backoff must be >= 0 seconds, got {backoff!r}")
+    if not isinstance(max_reply_bytes, int) or max_reply_bytes < 1024:
+        raise ValueError(f"max_reply_bytes must be an integer >= 1024, got {max_reply_bytes!r}")
+    return want
+
+
+def _request(ctx: zmq.Context, endpoint: str, request: bytes, timeout: float, retries: int,
+             backoff: float, max_reply_bytes: int, want: list[int],
+             engine_id: str | None) -> list[bytes]:
+    timeout_ms = max(1, int(timeout * 1000))
+    for attempt in range(retries + 1):
+        if attempt:
+            time.sleep(backoff * (2 ** (attempt - 1)))
+        sock = ctx.socket(zmq.REQ)
+        try:
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.MAXMSGSIZE, max_reply_bytes)
+            if endpoint.startswith("tcp://["):
+                sock.setsockopt(zmq.IPV6, 1)
+            try:
+                sock.connect(endpoint)
+            except zmq.ZMQError as exc:
+                raise HandshakeError(f"cannot connect to {endpoint}: {exc}; check the host "
+                                     f"name and port") from exc
+            try:
+                sock.send(request, zmq.NOBLOCK)
+            except zmq.Again:
+                continue  # no connection yet: retry
+            if sock.poll(timeout_ms, zmq.POLLIN):
+                return sock.recv_multipart(zmq.NOBLOCK)
+        finally:
+            sock.close(linger=0)  # a REQ socket that timed out can never be reused
+    who = f"engine {engine_id!r}" if engine_id else "the prefill engine"
+    raise HandshakeTimeout(
+        f"no handshake reply from {endpoint} for ranks {want} within {timeout} s, "
+        f"{retries + 1} attempts; check that {who} is running and serves its side channel on this "
+        f"host and port (see side_channel_port), and that the host is reachable"
+    )
+
+
+def _validate(frames: list[bytes], endpoint: str, want: list[int], engine_id: str | None,
+              compat_hash: str | None, nonce: int) -> dict[int, AgentMetadata]:
+    if len(frames) != 1:
+        raise MalformedReply(f"reply from {endpoint} has {len(frames)} frames, expected 1; the "
+                             f"peer is not a kvbridge side channel")
+    body = frames[0]
+    # Phase one: the envelope only.
+    try:
+        env = wire.ENVELOPE_DECODER.decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise MalformedReply(f"reply from {endpoint} is not a kvbridge message ({exc}); check "
+                             f"that the port belongs to a kvbridge side channel") from exc
+    if env.protocol_version != wire.PROTOCOL_VERSION:
+        raise IncompatiblePeer(
+            f"peer {endpoint} speaks handshake protocol {env.protocol_version}, this side "
+            f"{wire.PROTOCOL_VERSION}; run the same kvbridge version on prefill and decode")
+    try:
+        msg = wire.MESSAGE_DECODER.decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise MalformedReply(f"reply from {endpoint} could not be decoded: {exc}") from exc
+    if isinstance(msg, wire.ErrorReply):
+        _raise_error_reply(msg, endpoint)
+    if not isinstance(msg, wire.MetadataReply):
+        raise MalformedReply(f"peer {endpoint} answered with a {type(msg).__name__}, expected a "
+                             f"metadata-reply")
+    if msg.nonce != nonce:
+        raise MalformedReply(f"reply from {endpoint} answers another request (nonce mismatch)")
+    if compat_hash is not None and msg.compat_hash != compat_hash:
+        info = ", ".join(f"{k}={v}" for k, v in sorted(msg.compat_info.items()))
+        raise IncompatiblePeer(
+            f"peer {endpoint} (engine {msg.engine_id!r}) has compatibility hash "
+            f"{msg.compat_hash[:16]}..., this side {compat_hash[:16]}...; model, dtype, KV-cache "
+            f"dtype, cache layout, attention backend and kvbridge protocol must match"
+            + (f" (peer: {info})" if info else "")
+            + "; pass compat_hash=None only if you know they do")
+    if engine_id is not None and msg.engine_id != engine_id:
+        raise WrongEngine(f"peer {endpoint} serves engine {msg.engine_id!r}, not {engine_id!r}; "
+                          f"check the side-channel host and port of {engine_id!r}")
+    if msg.ranks != want or len(msg.metadata) != len(want):
+        raise MalformedReply(f"reply from {endpoint} carries ranks {msg.ranks[:32]} "
+                             f"({len(msg.metadata)} bodies) for a request of ranks {want}")
+    # Phase two: the bodies.
+    out: dict[int, AgentMetadata] = {}
+    first: AgentMetadata | None = None
+    for rank, data in zip(want, msg.metadata, strict=True):
+        try:
+            md = decode_metadata(data)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise MalformedReply(f"metadata of rank {rank} from {endpoint} does not decode: "
+                                 f"{exc}") from exc
+        if md.engine_id != msg.engine_id:
+            raise WrongEngine(f"metadata of rank {rank} from {endpoint} names engine "
+                              f"{md.engine_id!r}, the reply {msg.engine_id!r}")
+        if md.rank != rank:
+            raise MalformedReply(f"{endpoint} answered rank {rank} with the metadata of rank "
+                                 f"{md.rank}")
+        problems = metadata_problems(md)
+        if problems:
+            raise MalformedReply(f"metadata of rank {rank} from {endpoint} is inconsistent: "
+                                 + "; ".join(problems))
+        if first is None:
+            first = md
+        else:
+            for name in ("incarnation", "tp_size", "engine"):
+                if getattr(md, name) != getattr(first, name):
+                    raise MalformedReply(
+                        f"ranks {first.rank} and {rank} from {endpoint} disagree on {name}; the "
+                        f"peer engine may be restarting, retry the handshake")
+        out[rank] = md
+    return out
+
+
+def _raise_error_reply(msg: wire.ErrorReply, endpoint: str) -> None:
+    text = f"peer {endpoint} refused the request ({msg.code}): {msg.message}"
+    if msg.code == wire.UNKNOWN_RANK:
+        raise UnknownRank(text + "; check the remote TP size and which ranks this host serves")
+    if msg.code == wire.WRONG_ENGINE:
+        raise WrongEngine(text + "; check the side-channel host and port of the engine")
+    raise RequestRejected(text)

@@ -1,0 +1,43 @@
+"""Exceptions of kvbridge.handshake.
+
+Every error a peer or a caller can cause is a :class:`HandshakeError`; the
+message says what to check.
+"""
+
+from __future__ import annotations
+
+
+class HandshakeError(Exception):
+    """Base class of every handshake failure."""
+
+
+class HandshakeTimeout(HandshakeError, TimeoutError):
+    """No reply came from the side-channel server within the bounded wait (after retries)."""
+
+
+class IncompatiblePeer(HandshakeError):
+    """The peer speaks another protocol version or serves an incompatible model/cache."""
+
+
+class WrongEngine(HandshakeError):
+    """The peer serves another engine than the one asked for."""
+
+
+class MalformedReply(HandshakeError):
+    """The peer's reply could not be decoded or is internally inconsistent."""
+
+
+class UnknownRank(HandshakeError):
+    """The peer does not serve (one of) the requested rank(s)."""
+
+
+class RequestRejected(HandshakeError):
+    """The peer refused the request itself (bad request, too large, internal error)."""
+
+
+class InvalidMetadata(HandshakeError, ValueError):
+    """Local metadata handed to the server is inconsistent; the message says which field."""
+
+
+class PortAllocationError(HandshakeError, ValueError):
+    """A side-channel port assignment is out of range or would collide."""

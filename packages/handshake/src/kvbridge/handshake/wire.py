@@ -1,0 +1,164 @@
+"""Wire messages of the side channel and the compatibility hash.
+
+Every message is one msgpack map with a ``kind`` tag (a msgspec tagged union),
+so kinds and fields can be added later without breaking older peers. A reply
+carries the agent metadata as *opaque bytes*: the client checks the protocol
+version and the compatibility hash of the envelope before it decodes a body.
+Nothing here ever unpickles.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Mapping
+from typing import Annotated, Union
+
+import msgspec
+
+#: Bumped only on incompatible wire changes; additive fields with defaults keep it.
+PROTOCOL_VERSION = 1
+
+#: Most ranks one request may name (a bound on what a peer can make the server do).
+MAX_RANKS_PER_REQUEST = 4096
+
+Rank = Annotated[int, msgspec.Meta(ge=0, le=(1 << 31) - 1)]
+
+
+class MetadataRequest(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind",
+                      tag="metadata-request"):
+    """Ask for the metadata of ``ranks`` of the engine ``engine_id`` (None: any engine)."""
+
+    protocol_version: int
+    ranks: Annotated[list[Rank], msgspec.Meta(min_length=1, max_length=MAX_RANKS_PER_REQUEST)]
+    engine_id: str | None = None
+    nonce: int = 0
+
+
+class MetadataReply(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind",
+                    tag="metadata-reply"):
+    """The encoded metadata of each requested rank, in request order."""
+
+    protocol_version: int
+    compat_hash: str
+    engine_id: str
+    ranks: list[int]
+    metadata: list[bytes]
+    nonce: int = 0
+    #: what the hash was computed from (diagnostics for a mismatch), may be empty
+    compat_info: dict[str, str] = msgspec.field(default_factory=dict)
+
+
+class ErrorReply(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind", tag="error"):
+    """The server could not answer: ``code`` is one of :data:`ERROR_CODES`."""
+
+    protocol_version: int
+    code: str
+    message: str
+    nonce: int = 0
+
+
+Message = Union[MetadataRequest, MetadataReply, ErrorReply]  # noqa: UP007 (msgspec type arg)
+
+#: error codes a server sends
+BAD_REQUEST = "bad-request"
+TOO_LARGE = "too-large"
+UNKNOWN_RANK = "unknown-rank"
+WRONG_ENGINE = "wrong-engine"
+INTERNAL = "internal"
+ERROR_CODES = (BAD_REQUEST, TOO_LARGE, UNKNOWN_RANK, WRONG_ENGINE, INTERNAL)
+
+
+class Envelope(msgspec.Struct, kw_only=True):
+    """Phase one of decoding: only what must be checked before anything else.
+
+    Decodes from any map (unknown keys are skipped, missing keys are None), so a
+    reply from another protocol version still yields its version and kind.
+    """
+
+    kind: str | None = None
+    protocol_version: int | None = None
+    compat_hash: str | None = None
+    nonce: int | None = None
+
+
+ENCODER = msgspec.msgpack.Encoder()
+MESSAGE_DECODER = msgspec.msgpack.Decoder(Message)
+ENVELOPE_DECODER = msgspec.msgpack.Decoder(Envelope)
+
+
+def encode(message: MetadataRequest | MetadataReply | ErrorReply) -> bytes:
+    return ENCODER.encode(message)
+
+
+_DTYPE_ALIASES = {
+    "bfloat16": "bf16",
+    "float16": "fp16",
+    "half": "fp16",
+    "float32": "fp32",
+    "float": "fp32",
+    "float8_e4m3fn": "fp8_e4m3",
+    "float8_e5m2": "fp8_e5m2",
+}
+
+
+def canonical_dtype(name: str) -> str:
+    """Lower-case dtype name with common aliases folded (``torch.bfloat16`` -> ``bf16``)."""
+    n = str(name).strip().lower()
+    n = n.removeprefix("torch.")
+    return _DTYPE_ALIASES.get(n, n)
+
+
+def compat_fields(
+    *,
+    model: str,
+    dtype: str,
+    cache_dtype: str,
+    layout: str,
+    attention_backend: str,
+    protocol_version: int = PROTOCOL_VERSION,
+    extra: Mapping[str, str] | None = None,
+) -> dict[str, str]:
+    """The canonical inputs of :func:`compatibility_hash` (sent along for diagnostics)."""
+    fields = {
+        "model": str(model),
+        "dtype": canonical_dtype(dtype),
+        "cache_dtype": canonical_dtype(cache_dtype),
+        "layout": str(getattr(layout, "value", layout)),
+        "attention_backend": str(attention_backend).strip().upper(),
+        "protocol_version": str(int(protocol_version)),
+    }
+    for key, value in sorted((extra or {}).items()):
+        k = f"extra.{key}"
+        fields[k] = str(value)
+    return fields
+
+
+def compatibility_hash(
+    *,
+    model: str,
+    dtype: str,
+    cache_dtype: str,
+    layout: str,
+    attention_backend: str,
+    protocol_version: int = PROTOCOL_VERSION,
+    extra: Mapping[str, str] | None = None,
+) -> str:
+    """SHA-256 (hex) over what must match between prefill and decode.
+
+    Covers model identity, dtype, KV-cache dtype, cache layout, attention
+    backend, protocol version and any ``extra`` pairs. It never includes the
+    TP size (prefill and decode may differ there). Dtype names are
+    canonicalized (``bfloat16`` == ``bf16``), the backend name is compared
+    case-insensitively.
+    """
+    fields = compat_fields(model=model, dtype=dtype, cache_dtype=cache_dtype, layout=layout,
+                           attention_backend=attention_backend,
+                           protocol_version=protocol_version, extra=extra)
+    blob = msgspec.json.encode(sorted(fields.items()))
+    return hashlib.sha256(b"kvbridge-compat\0" + blob).hexdigest()
+
+
+def new_incarnation() -> str:
+    """A fresh engine incarnation id (128 random bits, hex)."""
+    return os.urandom(16).hex()

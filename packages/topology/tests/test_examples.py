@@ -1,0 +1,172 @@
+"""Worked examples for real deployment shapes, with the expected numbers derived by hand."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvbridge.topology import (
+    EngineSpec,
+    Layout,
+    MambaSpec,
+    ReadOp,
+    TopologyError,
+    plan_rank,
+    plan_transfer,
+)
+
+HB = 16 * 128 * 2  # one head over a 16-token block, head dim 128, bf16: 4096 bytes
+
+
+def llama70b(engine_id: str, tp: int, **kw) -> EngineSpec:
+    args = dict(num_kv_heads=8, head_dim=128, num_layers=80, block_size=16, dtype="bf16")
+    args.update(kw)
+    return EngineSpec(engine_id, tp_size=tp, **args)
+
+
+def test_p8_to_d2_reads_four_ranks_each():
+    plan = plan_transfer(llama70b("p", 8), llama70b("d", 2))
+    assert plan.tp_ratio == -4
+    d1 = plan.rank(1)
+    assert d1.handshake_ranks == (4, 5, 6, 7)
+    assert d1.notify_only_ranks == ()
+    assert d1.reads == tuple(ReadOp(4 + i, 0, HB, i * HB) for i in range(4))
+    assert [q.notifications_per_request for q in plan.prefill_ranks] == [1] * 8
+    assert plan.prefill_ranks[5].consumer_ranks == (1,)
+    # 80 layers x K and V regions x 4 reads
+    assert plan.descriptors_per_block(0) == 80 * 2 * 4
+
+
+def test_p2_to_d8_reads_one_head_at_an_offset():
+    plan = plan_transfer(llama70b("p", 2), llama70b("d", 8))
+    assert plan.tp_ratio == 4
+    d5 = plan.rank(5)
+    assert d5.handshake_ranks == (1,)
+    assert d5.reads == (ReadOp(1, HB, HB, 0),)  # head 5 is the second head of P1 (heads 4..7)
+    assert [q.notifications_per_request for q in plan.prefill_ranks] == [4, 4]
+    assert plan.prefill_ranks[1].consumer_ranks == (4, 5, 6, 7)
+
+
+def test_p16_to_d8_duplicate_heads_are_notified_not_read():
+    plan = plan_transfer(llama70b("p", 16), llama70b("d", 8))
+    assert plan.tp_ratio == -2
+    for r in range(8):
+        p = plan.rank(r)
+        assert p.handshake_ranks == (2 * r, 2 * r + 1)
+        assert p.reads == (ReadOp(2 * r, 0, HB, 0),)
+        assert p.notify_only_ranks == (2 * r + 1,)
+    assert all(q.notifications_per_request == 1 for q in plan.prefill_ranks)
+    assert plan.prefill_ranks[3].notify_only_from == (1,)
+    assert any("duplicate heads" in w for w in plan.warnings)
+
+
+def test_mla_p8_to_d4_reads_first_source_only():
+    mk = lambda i, tp: EngineSpec(i, tp_size=tp, num_kv_heads=1, head_dim=576, num_layers=61,
+                                  block_size=64, dtype="fp8", use_mla=True)
+    plan = plan_transfer(mk("p", 8), mk("d", 4))
+    latent = 64 * 576 * 1
+    for r in range(4):
+        p = plan.rank(r)
+        assert p.reads == (ReadOp(2 * r, 0, latent, 0),)
+        assert p.notify_only_ranks == (2 * r + 1,)
+    assert plan.decode_layout.regions == 61 and not plan.decode_layout.separate_kv_regions
+
+
+def hybrid(engine_id: str, tp: int, kv_heads: int = 8) -> EngineSpec:
+    return EngineSpec(
+        engine_id, tp_size=tp, num_kv_heads=kv_heads, head_dim=128, num_layers=4, block_size=16,
+        layout=Layout.BLOCKS_FIRST,
+        mamba=MambaSpec(ssm_heads=64, ssm_head_dim=64, state_size=128, n_groups=8, conv_width=3),
+    )
+
+
+def test_mamba_hybrid_p4_to_d1():
+    p = plan_rank(hybrid("d", 1), hybrid("p", 4), 0)
+    m = p.mamba
+    assert m.fa_source_ranks == (0, 1, 2, 3) and m.all_source_ranks == (0, 1, 2, 3)
+    assert (m.num_fa_reads, m.num_mamba_reads) == (4, 4)
+    assert m.fa_descriptor_bytes == 2 * HB  # the remote rank's 2 heads: min of both element sizes
+    assert dict(m.fa_head_slots) == {0: 0, 1: 1, 2: 2, 3: 3}
+    assert m.needs_split_handles and m.fa_emptied_ranks == ()
+    assert m.fa_rank_offset == 0
+    # x of P2 (16 SSM heads x 64 dim x width 3 x 2 B) lands at the third quarter of local x
+    x2 = next(x for x in m.mamba_pieces if x.name == "x" and x.remote_rank == 2)
+    assert (x2.remote_offset, x2.length, x2.local_offset) == (0, 16 * 64 * 3 * 2, 2 * 16 * 64 * 3 * 2)
+    # each source rank fills: one attention piece + x, B, C, SSM pieces
+    assert all(len(fa) == 1 and len(mm) == 4 for _, fa, mm in m.local_split)
+
+
+def test_mamba_hybrid_p1_to_d4():
+    for r in range(4):
+        p = plan_rank(hybrid("d", 4), hybrid("p", 1), r)
+        m = p.mamba
+        assert m.all_source_ranks == (0,) and (m.num_fa_reads, m.num_mamba_reads) == (1, 1)
+        assert m.fa_rank_offset == r * 2 * HB
+        assert m.fa_descriptor_bytes == 2 * HB
+        assert not m.needs_split_handles
+        ssm = next(x for x in m.mamba_pieces if x.name == "ssm")
+        unit = 64 * 128 * 4
+        assert ssm.length == 16 * unit
+
+
+def test_mamba_hybrid_duplicate_fa_heads_read_for_mamba_only():
+    p = plan_rank(hybrid("d", 1, kv_heads=2), hybrid("p", 4, kv_heads=2), 0)
+    m = p.mamba
+    assert m.fa_source_ranks == (0, 2)
+    assert m.all_source_ranks == (0, 1, 2, 3)
+    assert m.fa_emptied_ranks == (1, 3)
+    assert m.remote_replicated and m.remote_physical_heads == 1
+    assert p.notify_only_ranks == ()  # everyone is read, for Mamba at least
+
+
+def test_non_divisible_tp_sizes_are_served_by_interval_reads():
+    mk = lambda i, tp: EngineSpec(i, tp_size=tp, num_kv_heads=6, head_dim=64, num_layers=2, block_size=16)
+    plan = plan_transfer(mk("p", 3), mk("d", 2))
+    hb = 16 * 64 * 2
+    assert plan.tp_ratio is None
+    assert plan.rank(0).reads == (ReadOp(0, 0, 2 * hb, 0), ReadOp(1, 0, hb, 2 * hb))
+    assert plan.rank(1).reads == (ReadOp(1, hb, hb, 0), ReadOp(2, 0, 2 * hb, hb))
+    assert [q.notifications_per_request for q in plan.prefill_ranks] == [1, 2, 1]
+
+
+def test_block_size_mismatch_reads_in_units_of_the_smaller_block():
+    plan = plan_transfer(llama70b("p", 1, block_size=16), llama70b("d", 1, block_size=64))
+    assert plan.block_size_ratio == 4
+    assert plan.rank(0).unit_tokens == 16
+    assert plan.post_process.needed and plan.post_process.units_per_block == 4
+
+
+@pytest.mark.parametrize(
+    "prefill, decode, needle",
+    [
+        (dict(tp=3), dict(tp=1), "cannot be split evenly over TP 3"),
+        (dict(tp=12), dict(tp=1), "not a multiple of it"),
+        (dict(tp=2, block_size=24), dict(tp=2, block_size=16), "larger block size must be a multiple"),
+        (dict(tp=2, head_order="NHD"), dict(tp=1), "set its KV cache layout to HND"),
+        (dict(tp=1, num_kv_heads=4), dict(tp=1), "num_kv_heads differs"),
+        (dict(tp=1, dtype="fp8"), dict(tp=1), "kv-cache dtype"),
+        (dict(tp=1, block_size=32), dict(tp=1, block_size=16), "make the local block size >= the remote one"),
+    ],
+)
+def test_invalid_pairs_say_what_to_change(prefill, decode, needle):
+    with pytest.raises(TopologyError, match=needle):
+        pt, dt = prefill.pop("tp"), decode.pop("tp")
+        plan_transfer(llama70b("p", pt, **prefill), llama70b("d", dt, **decode))
+
+
+def test_mla_mismatch_and_mamba_mismatch_are_refused():
+    mla = EngineSpec("p", tp_size=1, num_kv_heads=8, head_dim=128, num_layers=80, block_size=16,
+                     use_mla=True)
+    with pytest.raises(TopologyError, match="use_mla differs"):
+        plan_transfer(mla, llama70b("d", 1))
+    with pytest.raises(TopologyError, match="Mamba state differs"):
+        plan_transfer(hybrid("p", 1), llama70b("d", 1, num_layers=4, layout=Layout.BLOCKS_FIRST))
+
+
+def test_conv_state_split_needs_dim_first_layout():
+    tok = MambaSpec(ssm_heads=64, ssm_head_dim=64, state_size=128, n_groups=8, conv_width=3,
+                    conv_layout="token-first")
+    mk = lambda i, tp: EngineSpec(i, tp_size=tp, num_kv_heads=8, head_dim=128, num_layers=4,
+                                  block_size=16, layout="blocks-first", mamba=tok)
+    with pytest.raises(TopologyError, match="dim-first"):
+        plan_transfer(mk("p", 2), mk("d", 1))
+    plan_transfer(mk("p", 2), mk("d", 2))  # same TP: no split, any layout works
