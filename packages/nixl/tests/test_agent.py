@@ -5,6 +5,7 @@ import time
 import numpy as np
 import pytest
 import torch
+
 from kvbridge.nixl.agent import AgentConfig, NixlAgent, NixlError, expand_strided
 
 

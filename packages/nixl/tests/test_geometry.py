@@ -1,5 +1,6 @@
 import numpy as np
 import pytest
+
 from kvbridge.nixl.agent import expand_strided
 from kvbridge.nixl.geometry import (
     CacheGeometry,

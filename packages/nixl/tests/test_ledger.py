@@ -1,4 +1,5 @@
 import pytest
+
 from kvbridge.nixl.ledger import DecodeTracker, FailureKind, PrefillLedger, State
 from kvbridge.nixl.messages import Kind, Notification
 from kvbridge.nixl.stats import Stats

@@ -1,6 +1,7 @@
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from kvbridge.nixl.messages import (
     MAX_MESSAGE_BYTES,
     Kind,

@@ -24,11 +24,21 @@ import logging
 import queue
 import threading
 import time
-import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 import numpy as np
+import zmq
+
+from kvbridge.handshake import (
+    AgentMetadata,
+    EngineFacts,
+    HandshakeError,
+    MetadataServer,
+    compatibility_hash,
+    fetch_metadata,
+    new_incarnation,
+)
 from kvbridge.topology import EngineSpec, RankPlan, TopologyError, TransferPlan, plan_transfer
 
 from .agent import AgentConfig, NixlAgent, NixlError, PreparedList, Transfer
@@ -44,7 +54,6 @@ from .geometry import (
 )
 from .ledger import DecodeTracker, Failed, FailureKind, PrefillLedger, Released, State
 from .messages import Kind, Notification, encode_notification, new_token, parse_notification
-from .sidechannel import PROTOCOL, HandshakeFailed, MetadataServer, RankInfo, fetch_rank_info
 from .stats import Stats
 
 log = logging.getLogger("kvbridge.nixl")
@@ -62,6 +71,9 @@ class EngineConfig:
     transfer_timeout_s: float = 60.0
     allow_strided: bool = True
     mem_type: str = "DRAM"
+    #: model identity and attention backend for the handshake's compatibility hash
+    model: str = "kvbridge-synthetic"
+    attention_backend: str = "kvbridge"
 
     def __post_init__(self) -> None:
         if self.mode not in ("pull", "push"):
@@ -124,7 +136,7 @@ class _Peer:
     state: str = "handshaking"  # -> ready | failed
     error: str = ""
     plan: TransferPlan | None = None
-    infos: dict[int, RankInfo] = field(default_factory=dict)
+    infos: dict[int, AgentMetadata] = field(default_factory=dict)
     agents: dict[int, str] = field(default_factory=dict)  # remote rank -> agent name
     remote_lists: dict[int, PreparedList] = field(default_factory=dict)
     local_lists: dict[int, PreparedList] = field(default_factory=dict)
@@ -132,19 +144,33 @@ class _Peer:
     handshake_ms: float = 0.0
 
 
+class HandshakeFailed(HandshakeError):
+    """The peer's metadata does not describe what the request said (TP size, incarnation)."""
+
+
+def engine_compat_hash(spec: EngineSpec, config: EngineConfig) -> str:
+    """The handshake compatibility hash of an engine.
+
+    Cache layouts are not hashed: kvbridge plans transfers between different
+    layouts and the topology planner refuses pairs it cannot serve.
+    """
+    return compatibility_hash(model=config.model, dtype=spec.dtype, cache_dtype=spec.dtype,
+                              layout="kvbridge-planned", attention_backend=config.attention_backend)
+
+
 class _RankEngine:
     role = "?"
 
     def __init__(self, spec: EngineSpec, rank: int, geometry: CacheGeometry,
-                 config: EngineConfig | None = None, *, host: str = "127.0.0.1",
-                 server: MetadataServer | None = None, incarnation: str | None = None):
+                 config: EngineConfig | None = None, *, incarnation: str | None = None):
         if not 0 <= rank < spec.tp_size:
             raise ValueError(f"rank {rank} is outside TP size {spec.tp_size}")
         if spec.mamba is not None:
             raise TopologyError("the NIXL engine does not transfer Mamba hybrid caches yet")
         self.spec, self.rank, self.geometry = spec, rank, geometry
         self.config = config or EngineConfig()
-        self.incarnation = incarnation or uuid.uuid4().hex[:12]
+        self.incarnation = incarnation or new_incarnation()
+        self.compat_hash = engine_compat_hash(spec, self.config)
         self.stats = Stats()
         self.agent = NixlAgent(f"{spec.engine_id}/{self.role}{rank}/{self.incarnation}", self.config.agent)
         try:
@@ -152,9 +178,9 @@ class _RankEngine:
         except Exception:
             self.agent.close()
             raise
-        self._own_server = server is None
-        self.server = server or MetadataServer(host)
-        self.server.publish(self.info())
+        self.server: MetadataServer | None = None
+        self._own_server = False
+        self._zmq = zmq.Context(io_threads=1)
         self._peers: dict[str, _Peer] = {}
         self._jobs: queue.Queue[_Peer | None] = queue.Queue()
         self._results: queue.Queue[tuple[_Peer, str | None]] = queue.Queue()
@@ -163,14 +189,39 @@ class _RankEngine:
         self._closed = False
 
     # ----- metadata ---------------------------------------------------------
-    def info(self) -> RankInfo:
+    def metadata(self) -> AgentMetadata:
+        """This rank's handshake metadata (NIXL agent metadata and cache geometry)."""
         g = self.geometry
-        return RankInfo(PROTOCOL, self.spec.engine_id, self.incarnation, self.rank, self.spec,
-                        self.agent.name, self.agent.metadata(), g.region_bases, g.num_blocks,
-                        g.block_bytes, g.device, self.server.host, self.server.port)
+        n = len(g.region_bases)
+        return AgentMetadata(
+            engine_id=self.spec.engine_id, incarnation=self.incarnation, rank=self.rank,
+            tp_size=self.spec.tp_size, agent_name=self.agent.name, agent_metadata=self.agent.metadata(),
+            memory_type=self.config.mem_type, device_id=g.device, region_base_addrs=list(g.region_bases),
+            region_sizes=[g.region_bytes] * n, num_blocks=g.num_blocks, block_lens=[g.block_bytes] * n,
+            block_size=self.spec.block_size, kernel_blocks_per_block=self.spec.kernel_blocks_per_block,
+            layout=self.spec.layout.value, head_order=self.spec.head_order.value,
+            attention_backend=self.config.attention_backend, engine=EngineFacts.from_spec(self.spec),
+        )
+
+    def serve(self, server: MetadataServer | None = None, host: str = "127.0.0.1",
+              port: int = 0) -> MetadataServer:
+        """Publish this rank's metadata on ``server`` (shared by an engine's local ranks) or a new one."""
+        if server is None:
+            server = MetadataServer({self.rank: self.metadata()}, compat_hash=self.compat_hash,
+                                    host=host, port=port)
+            self._own_server = True
+        else:
+            if server.compat_hash != self.compat_hash:
+                raise ValueError("the metadata server was created with another compatibility hash")
+            server.set_metadata(self.rank, self.metadata())
+        self.server = server
+        return server
 
     @property
     def address(self) -> tuple[str, int]:
+        """(host, port) of the side channel serving this rank."""
+        if self.server is None:
+            raise RuntimeError("this rank is not served yet: call serve() first")
         return self.server.host, self.server.port
 
     # ----- handshakes (worker thread) ----------------------------------------
@@ -194,7 +245,7 @@ class _RankEngine:
             try:
                 self._handshake(peer)
                 err = None
-            except (HandshakeFailed, NixlError, TopologyError, ValueError) as exc:
+            except (HandshakeError, NixlError, TopologyError, ValueError) as exc:
                 err = str(exc)
             except Exception as exc:  # never let the worker die on a peer's input
                 err = f"{type(exc).__name__}: {exc}"
@@ -205,29 +256,28 @@ class _RankEngine:
         timeout = self.config.handshake_timeout_s
         guess = self._plan_for(_provisional(self.spec, peer.engine_id, peer.tp_size))
         ranks, _ = self._peer_ranks(peer, guess)
-        first = fetch_rank_info(peer.host, peer.port, ranks[0], timeout, peer.engine_id)
-        if first.spec.tp_size != peer.tp_size:
+        infos = fetch_metadata(peer.host, peer.port, ranks, engine_id=peer.engine_id,
+                               compat_hash=self.compat_hash, timeout=timeout / 2, retries=1,
+                               context=self._zmq)
+        first = infos[ranks[0]]
+        if first.tp_size != peer.tp_size:
             raise HandshakeFailed(
-                f"engine {peer.engine_id!r} says TP {first.spec.tp_size}, the request said {peer.tp_size}"
+                f"engine {peer.engine_id!r} says TP {first.tp_size}, the request said {peer.tp_size}"
             )
-        plan = self._plan_for(first.spec)
-        ranks, listed = self._peer_ranks(peer, plan)
-        infos = {ranks[0]: first}
-        for q in ranks[1:]:
-            infos[q] = fetch_rank_info(peer.host, peer.port, q, timeout, peer.engine_id)
-        for q, inf in infos.items():
-            if inf.spec != first.spec:
-                raise HandshakeFailed(f"engine {peer.engine_id!r} rank {q} describes a different engine")
-            if inf.incarnation != first.incarnation:
-                raise HandshakeFailed(
-                    f"engine {peer.engine_id!r} ranks answered with different incarnations "
-                    "(restarting?); retry later"
-                )
-            if peer.incarnation and inf.incarnation != peer.incarnation:
-                raise HandshakeFailed(
-                    f"engine {peer.engine_id!r} is incarnation {inf.incarnation}, the request was issued "
-                    f"by {peer.incarnation}; it restarted after issuing the request"
-                )
+        if first.memory_type != self.config.mem_type:
+            raise HandshakeFailed(
+                f"engine {peer.engine_id!r} registered {first.memory_type} memory, this rank "
+                f"{self.config.mem_type}; configure both engines with the same memory type"
+            )
+        plan = self._plan_for(first.spec())
+        if list(self._peer_ranks(peer, plan)[0]) != list(ranks):  # pragma: no cover - same TP/heads
+            raise HandshakeFailed("the peer's engine changes which ranks to handshake with")
+        _, listed = self._peer_ranks(peer, plan)
+        if peer.incarnation and first.incarnation != peer.incarnation:
+            raise HandshakeFailed(
+                f"engine {peer.engine_id!r} is incarnation {first.incarnation}, the request was "
+                f"issued by {peer.incarnation}: it restarted after issuing the request"
+            )
         peer.incarnation = first.incarnation
         peer.plan, peer.infos = plan, infos
         for q in ranks:
@@ -244,8 +294,18 @@ class _RankEngine:
     def _remote_geometry(self, peer: _Peer, q: int) -> CacheGeometry:
         inf = peer.infos[q]
         lay = peer.plan.prefill_layout if self.role == "d" else peer.plan.decode_layout
-        return CacheGeometry(inf.region_bases, inf.num_blocks, inf.block_bytes, lay.element_offsets,
-                             lay.element_bytes, inf.device)
+        if len(inf.region_base_addrs) != lay.regions:
+            raise HandshakeFailed(
+                f"engine {peer.engine_id!r} rank {q} registered {len(inf.region_base_addrs)} regions, "
+                f"its engine description implies {lay.regions}"
+            )
+        if len(set(inf.block_lens)) != 1 or inf.block_lens[0] != lay.region_block_bytes:
+            raise HandshakeFailed(
+                f"engine {peer.engine_id!r} rank {q} has block lengths {sorted(set(inf.block_lens))}, "
+                f"its engine description implies {lay.region_block_bytes} bytes"
+            )
+        return CacheGeometry(tuple(inf.region_base_addrs), inf.num_blocks, inf.block_lens[0],
+                             lay.element_offsets, lay.element_bytes, inf.device_id)
 
     def _drop_peer(self, peer: _Peer, stale: bool = True) -> None:
         """Forget a peer engine: its lists, transfers and agents."""
@@ -331,9 +391,9 @@ class _RankEngine:
         self._worker.join(timeout=self.config.handshake_timeout_s * 4 + 1)
         for peer in list(self._peers.values()):
             self._drop_peer(peer, stale=False)
-        self.server.withdraw(self.rank)
-        if self._own_server:
+        if self._own_server and self.server is not None:
             self.server.close()
+        self._zmq.term()
         self.agent.close()
 
     def __enter__(self):

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+
 from kvbridge.topology import ElementLayout, ReadOp
 
 

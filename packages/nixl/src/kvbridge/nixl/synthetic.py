@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+
 from kvbridge.topology import EngineSpec, HeadOrder, element_layout, head_range
 
 from .geometry import CacheGeometry
