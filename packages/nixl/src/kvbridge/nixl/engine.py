@@ -180,6 +180,7 @@ class _RankEngine:
             raise
         self.server: MetadataServer | None = None
         self._own_server = False
+        self._advertised: tuple[str, int] | None = None
         self._zmq = zmq.Context(io_threads=1)
         self._peers: dict[str, _Peer] = {}
         self._jobs: queue.Queue[_Peer | None] = queue.Queue()
@@ -217,11 +218,17 @@ class _RankEngine:
         self.server = server
         return server
 
+    def advertise(self, host: str, port: int) -> None:
+        """Name the side channel that serves this rank when another process runs it."""
+        self._advertised = (host, int(port))
+
     @property
     def address(self) -> tuple[str, int]:
         """(host, port) of the side channel serving this rank."""
+        if self._advertised is not None:
+            return self._advertised
         if self.server is None:
-            raise RuntimeError("this rank is not served yet: call serve() first")
+            raise RuntimeError("this rank is not served yet: call serve() or advertise() first")
         return self.server.host, self.server.port
 
     # ----- handshakes (worker thread) ----------------------------------------
