@@ -69,10 +69,12 @@ def _child_loop(conn, role, spec, ranks, num_blocks, config, incarnation, serve_
         conn.send(("ready", None, None, {r: e.metadata() for r, e in engines.items()}))
     # decode: rid -> (seed, ntok, first token, local ids, prefill spec)
     pending: dict[str, tuple] = {}
+    to_verify: list[tuple[int, str]] = []
+    loaded_at: dict[str, float] = {}
     running = True
     while running:
-        while conn.poll(0 if any(len(e.tracker) if role == "d" else e.held for e in engines.values())
-                        else 0.002):
+        busy = to_verify or any(len(e.tracker) if role == "d" else e.held for e in engines.values())
+        while conn.poll(0 if busy else 0.002):
             cmd, arg = conn.recv()
             if cmd == "close":
                 running = False
@@ -85,29 +87,33 @@ def _child_loop(conn, role, spec, ranks, num_blocks, config, incarnation, serve_
                 for e in engines.values():
                     e.advertise(*arg)
                 conn.send(("ok", None))
-            elif cmd == "hold":
-                rid, seed, ntok, block_ids, token = arg
+            elif cmd == "fill":
+                seed, ntok, block_ids = arg
                 kv = logical_kv(spec, seed, ntok)
                 for r in ranks:
                     caches[r].fill(kv, block_ids)
+                conn.send(("ok", None))
+            elif cmd == "hold":
+                rid, block_ids, token = arg
+                for r in ranks:
                     engines[r].hold(rid, block_ids, token)
                 conn.send(("ok", None))
             elif cmd == "push":
-                rid, seed, ntok, block_ids, target = arg
-                kv = logical_kv(spec, seed, ntok)
+                rid, block_ids, target = arg
                 for r in ranks:
-                    caches[r].fill(kv, block_ids)
                     engines[r].push(rid, block_ids, target)
                 conn.send(("ok", None))
             elif cmd in ("load", "expect"):
-                rid, params, local_ids, computed, seed, ntok, pspec = arg
+                rid, params, local_ids, computed, seed, ntok, pspec, verify = arg
                 for r in ranks:
                     caches[r].clear(local_ids)
+                loaded_at[rid] = time.monotonic()
+                for r in ranks:
                     if cmd == "load":
                         engines[r].load(rid, params, local_ids, computed)
                     else:
                         engines[r].expect(rid, params.engine_id, params.tp_size, params.token, local_ids)
-                pending[rid] = (seed, ntok, computed, list(local_ids), pspec)
+                pending[rid] = (seed, ntok, computed, list(local_ids), pspec, verify)
                 conn.send(("ok", None))
             elif cmd == "stats":
                 conn.send(("stats", {r: (e.stats, e.resource_counts()) for r, e in engines.items()}))
@@ -121,16 +127,27 @@ def _child_loop(conn, role, spec, ranks, num_blocks, config, incarnation, serve_
                     conn.send(("released", (r, rel.request_id, rel.reason)))
             else:
                 ev = e.poll()
+                t_done = time.monotonic()
                 for rid in ev.done:
-                    seed, ntok, computed, local_ids, pspec = pending[rid]
-                    plan = plan_transfer(pspec, spec)
-                    if plan.post_process.needed:
-                        post_process_units(caches[r], local_ids, plan.post_process.units_per_block)
-                    kv = logical_kv(spec, seed, ntok)
-                    bad = caches[r].verify(kv, local_ids, computed, ntok)
-                    conn.send(("done", (r, rid, bad)))
+                    conn.send(("done", (r, rid, t_done, loaded_at.get(rid, t_done))))
+                    to_verify.append((r, rid))
                 for f in ev.failed:
                     conn.send(("failed", (r, f.request_id, f.kind.value, f.invalid_block_ids, f.message)))
+        # verify received bytes only while no transfer is in flight, so that checking one
+        # request never delays noticing that another one completed
+        if role == "d" and to_verify and not any(len(e.tracker) for e in engines.values()):
+            r, rid = to_verify.pop(0)
+            seed, ntok, computed, local_ids, pspec, verify = pending[rid]
+            bad = -1
+            if verify:
+                plan = plan_transfer(pspec, spec)
+                if plan.post_process.needed:
+                    post_process_units(caches[r], local_ids, plan.post_process.units_per_block)
+                bad = caches[r].verify(logical_kv(spec, seed, ntok), local_ids, computed, ntok)
+            conn.send(("verified", (r, rid, bad)))
+            if not any(x[1] == rid for x in to_verify):
+                pending.pop(rid, None)
+                loaded_at.pop(rid, None)
     for e in engines.values():
         e.close()
     if server is not None:
@@ -147,7 +164,9 @@ class RequestResult:
     """What every decode rank reported for one request."""
 
     request_id: str
-    done: dict[int, int] = field(default_factory=dict)  # rank -> mismatching bytes
+    done: dict[int, int] = field(default_factory=dict)  # rank -> mismatching bytes (-1: unchecked)
+    done_at: dict[int, float] = field(default_factory=dict)  # rank -> time.monotonic() of completion
+    loaded_at: dict[int, float] = field(default_factory=dict)  # rank -> time.monotonic() of load()
     failed: dict[int, tuple[str, tuple[int, ...], str]] = field(default_factory=dict)
     released: dict[int, str] = field(default_factory=dict)  # prefill rank -> reason
 
@@ -157,7 +176,7 @@ class RequestResult:
 
     @property
     def mismatches(self) -> int:
-        return sum(self.done.values())
+        return sum(v for v in self.done.values() if v > 0)
 
 
 class EngineGroup:
@@ -177,7 +196,7 @@ class EngineGroup:
         self.port: int = 0
         self.alive = False
 
-    def start(self, timeout: float = 120.0) -> None:
+    def start(self, timeout: float = 300.0) -> None:
         self.launch()
         self.await_ready(timeout)
 
@@ -191,7 +210,7 @@ class EngineGroup:
             self.procs.append(p)
             self.conns.append(parent)
 
-    def await_ready(self, timeout: float = 120.0) -> None:
+    def await_ready(self, timeout: float = 300.0) -> None:
         extra = []
         for i, c in enumerate(self.conns):
             msg = _recv(c, timeout, f"{self.role} process {i} start")
@@ -293,35 +312,43 @@ class Cluster:
         return TransferParams(p.spec.engine_id, p.host, p.port, p.spec.tp_size, tuple(p_blocks), token,
                               p.incarnation)
 
+    def fill(self, seed: int, p_blocks: list[int], num_tokens: int | None = None) -> int:
+        """Write a request's synthetic KV content into prefill blocks; returns its token count."""
+        ntok = num_tokens if num_tokens is not None else len(p_blocks) * self.prefill.spec.block_size
+        self.prefill.broadcast("fill", (seed, ntok, list(p_blocks)), self._absorb)
+        return ntok
+
     def submit(self, rid: str, seed: int, p_blocks: list[int], d_blocks: list[int], *,
                num_tokens: int | None = None, computed_tokens: int = 0, token: str | None = None,
-               load: bool = True) -> TransferParams:
+               load: bool = True, fill: bool = True, verify: bool = True) -> TransferParams:
         """Fill and hold the prefill blocks, then make the decode engine load (or await) them."""
         from .messages import new_token
 
         ntok = num_tokens if num_tokens is not None else len(p_blocks) * self.prefill.spec.block_size
+        if fill:
+            self.fill(seed, p_blocks, ntok)
         token = token or new_token()
         self._tokens[rid] = token
         self.results[rid] = RequestResult(rid)
         params = self.params(rid, p_blocks, token)
         dspec = self.decode.spec
         if self.mode == "pull":
-            self.prefill.broadcast("hold", (rid, seed, ntok, list(p_blocks), token), self._absorb)
+            self.prefill.broadcast("hold", (rid, list(p_blocks), token), self._absorb)
             if load:
-                self.decode.broadcast("load", (rid, params, list(d_blocks), computed_tokens, seed, ntok,
-                                               self.prefill.spec), self._absorb)
+                self.load(rid, params, d_blocks, seed, ntok, computed_tokens, verify)
         else:
             self.decode.broadcast("expect", (rid, params, list(d_blocks), computed_tokens, seed, ntok,
-                                             self.prefill.spec), self._absorb)
+                                             self.prefill.spec, verify), self._absorb)
             target = PushTarget(dspec.engine_id, self.decode.host, self.decode.port, dspec.tp_size,
                                 tuple(d_blocks), token, computed_tokens)
-            self.prefill.broadcast("push", (rid, seed, ntok, list(p_blocks), target), self._absorb)
+            self.prefill.broadcast("push", (rid, list(p_blocks), target), self._absorb)
         return params
 
     def load(self, rid: str, params: TransferParams, d_blocks: list[int], seed: int, ntok: int,
-             computed_tokens: int = 0) -> None:
+             computed_tokens: int = 0, verify: bool = True) -> None:
+        self.results.setdefault(rid, RequestResult(rid))
         self.decode.broadcast("load", (rid, params, list(d_blocks), computed_tokens, seed, ntok,
-                                       self.prefill.spec), self._absorb)
+                                       self.prefill.spec, verify), self._absorb)
 
     def _pump(self, timeout: float) -> bool:
         conns = {}
@@ -391,6 +418,9 @@ class Cluster:
         if kind == "crash":
             raise HarnessError(f"a harness process crashed:\n{arg}")
         if kind == "done":
+            res = self.results.setdefault(arg[1], RequestResult(arg[1]))
+            res.done_at[arg[0]], res.loaded_at[arg[0]] = arg[2], arg[3]
+        elif kind == "verified":
             self.results.setdefault(arg[1], RequestResult(arg[1])).done[arg[0]] = arg[2]
         elif kind == "failed":
             self.results.setdefault(arg[1], RequestResult(arg[1])).failed[arg[0]] = (
