@@ -172,7 +172,7 @@ class RequestResult:
 
     @property
     def ok(self) -> bool:
-        return not self.failed and all(v == 0 for v in self.done.values())
+        return not self.failed and all(v <= 0 for v in self.done.values())  # -1: not verified
 
     @property
     def mismatches(self) -> int:
