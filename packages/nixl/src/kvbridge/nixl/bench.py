@@ -8,10 +8,12 @@ Figures (``--json`` prints one object with exactly these keys):
   consecutive on both sides vs scattered at random;
 * ``first_request_ms``: a fresh decode engine's first request (handshake, plan,
   list preparation, first transfer), cross-process;
-* ``post_overhead_us``: per request, from block ids to posted transfers;
+* ``post_overhead_us``: per request, from block ids to posted transfers
+  (the duration of ``DecodeEngine.load()`` for a known prefill engine);
 * ``desc_prep_ms`` / ``naive_desc_prep_ms``: descriptor lists for a 70B-class
   geometry (80 layers, K and V regions, 1 KV head of 128 per rank, 16-token
-  blocks): kvbridge (numpy, strided) vs per-block Python tuples;
+  blocks, 2048 blocks per rank): kvbridge (numpy, strided) vs per-block Python
+  tuples, both prepared with NIXL;
 * ``naive_transfer_gbps_fragmented``: the fragmented transfer again with
   per-block N x 3 lists.
 """
@@ -43,8 +45,11 @@ def _model(engine_id: str, tp: int = 1) -> EngineSpec:
 
 
 def _transfer_gbps(cluster: Cluster, tag: str, requests: int, blocks: int, fragmented: bool,
-                   seed: int) -> float:
-    """Median GB/s of ``requests`` requests, each moved alone (load -> completion, decode side)."""
+                   seed: int, post_us: list[float] | None = None) -> float:
+    """Median GB/s of ``requests`` requests, each moved alone (load -> completion, decode side).
+
+    ``post_us`` collects how long each ``DecodeEngine.load()`` call took (block ids to posted READs).
+    """
     rng = np.random.default_rng(seed)
     nb = cluster.num_blocks
     rates = []
@@ -62,11 +67,13 @@ def _transfer_gbps(cluster: Cluster, tag: str, requests: int, blocks: int, fragm
         if res.failed:
             raise RuntimeError(f"bench request {rid} failed: {res.failed}")
         dt = max(res.done_at.values()) - min(res.loaded_at.values())
+        if post_us is not None:
+            post_us.extend(res.load_call_us.values())
         rates.append(blocks * bytes_per_block / dt / 1e9)
     return statistics.median(rates)
 
 
-def desc_prep(regions: int = 160, num_blocks: int = 256, element_bytes: int = 4096) -> tuple[float, float]:
+def desc_prep(regions: int = 160, num_blocks: int = 2048, element_bytes: int = 4096) -> tuple[float, float]:
     """(kvbridge ms, naive ms) to build and prepare a local list of every block of every region."""
     agent = NixlAgent("kvbridge-bench-desc", AgentConfig(num_threads=0, telemetry=False))
     try:
@@ -92,33 +99,6 @@ def desc_prep(regions: int = 160, num_blocks: int = 256, element_bytes: int = 40
         agent.close()
 
 
-def post_overhead_us(requests: int = 200, blocks: int = 64) -> float:
-    """Median time of DecodeEngine.load() for a known peer: block ids -> posted READs (in-process)."""
-    from .engine import DecodeEngine, PrefillEngine
-    from .synthetic import SyntheticCache
-
-    p_spec, d_spec = _model("bench-p"), _model("bench-d")
-    nb = blocks * 2
-    pc, dc = SyntheticCache.allocate(p_spec, 0, nb), SyntheticCache.allocate(d_spec, 0, nb)
-    cfg = EngineConfig(agent=AgentConfig(num_threads=0))
-    with PrefillEngine(p_spec, 0, pc.geometry(), cfg) as pe, DecodeEngine(d_spec, 0, dc.geometry(), cfg) as de:
-        pe.serve()
-        times = []
-        ids = list(range(blocks))
-        for i in range(requests + 1):
-            params = pe.hold(f"r{i}", ids)
-            t = time.perf_counter()
-            de.load(f"r{i}", params, ids)
-            times.append(time.perf_counter() - t)
-            deadline = time.monotonic() + 30
-            while de.pending and time.monotonic() < deadline:
-                de.poll()
-                pe.poll()
-            if de.pending:
-                raise RuntimeError("bench transfer did not complete")
-        return statistics.median(times[1:]) * 1e6  # the first load only queues a handshake
-
-
 def run(args: argparse.Namespace) -> dict[str, float]:
     from .cli import memcpy_gbps
 
@@ -135,14 +115,15 @@ def run(args: argparse.Namespace) -> dict[str, float]:
         (res,) = c.wait(["first"], timeout=120).values()
         out["first_request_ms"] = (max(res.done_at.values()) - min(res.loaded_at.values())) * 1e3
         c.fill(0, list(range(nb)))
-        out["transfer_gbps_contiguous"] = _transfer_gbps(c, "contig", args.requests, blocks, False, 1)
-        out["transfer_gbps_fragmented"] = _transfer_gbps(c, "frag", args.requests, blocks, True, 2)
+        posts: list[float] = []
+        out["transfer_gbps_contiguous"] = _transfer_gbps(c, "contig", args.requests, blocks, False, 1, posts)
+        out["transfer_gbps_fragmented"] = _transfer_gbps(c, "frag", args.requests, blocks, True, 2, posts)
+        out["post_overhead_us"] = statistics.median(posts)
     with Cluster(_model("bench-prefill"), _model("bench-decode"), num_blocks=nb, config=cfg,
                  decode_config=naive_cfg) as c:
         c.fill(0, list(range(nb)))
         _transfer_gbps(c, "warm", 1, blocks, True, 3)
         out["naive_transfer_gbps_fragmented"] = _transfer_gbps(c, "nfrag", args.requests, blocks, True, 2)
-    out["post_overhead_us"] = post_overhead_us()
     out["desc_prep_ms"], out["naive_desc_prep_ms"] = desc_prep()
     return {k: round(float(out[k]), 3) for k in KEYS}
 

@@ -71,6 +71,7 @@ def _child_loop(conn, role, spec, ranks, num_blocks, config, incarnation, serve_
     pending: dict[str, tuple] = {}
     to_verify: list[tuple[int, str]] = []
     loaded_at: dict[str, float] = {}
+    call_us: dict[tuple[int, str], float] = {}
     running = True
     while running:
         busy = to_verify or any(len(e.tracker) if role == "d" else e.held for e in engines.values())
@@ -110,7 +111,9 @@ def _child_loop(conn, role, spec, ranks, num_blocks, config, incarnation, serve_
                 loaded_at[rid] = time.monotonic()
                 for r in ranks:
                     if cmd == "load":
+                        t_call = time.perf_counter()
                         engines[r].load(rid, params, local_ids, computed)
+                        call_us[(r, rid)] = (time.perf_counter() - t_call) * 1e6
                     else:
                         engines[r].expect(rid, params.engine_id, params.tp_size, params.token, local_ids)
                 pending[rid] = (seed, ntok, computed, list(local_ids), pspec, verify)
@@ -129,9 +132,11 @@ def _child_loop(conn, role, spec, ranks, num_blocks, config, incarnation, serve_
                 ev = e.poll()
                 t_done = time.monotonic()
                 for rid in ev.done:
-                    conn.send(("done", (r, rid, t_done, loaded_at.get(rid, t_done))))
+                    conn.send(("done", (r, rid, t_done, loaded_at.get(rid, t_done),
+                                        call_us.pop((r, rid), 0.0))))
                     to_verify.append((r, rid))
                 for f in ev.failed:
+                    call_us.pop((r, f.request_id), None)
                     conn.send(("failed", (r, f.request_id, f.kind.value, f.invalid_block_ids, f.message)))
         # verify received bytes only while no transfer is in flight, so that checking one
         # request never delays noticing that another one completed
@@ -167,6 +172,7 @@ class RequestResult:
     done: dict[int, int] = field(default_factory=dict)  # rank -> mismatching bytes (-1: unchecked)
     done_at: dict[int, float] = field(default_factory=dict)  # rank -> time.monotonic() of completion
     loaded_at: dict[int, float] = field(default_factory=dict)  # rank -> time.monotonic() of load()
+    load_call_us: dict[int, float] = field(default_factory=dict)  # rank -> duration of load() (posting)
     failed: dict[int, tuple[str, tuple[int, ...], str]] = field(default_factory=dict)
     released: dict[int, str] = field(default_factory=dict)  # prefill rank -> reason
 
@@ -419,7 +425,7 @@ class Cluster:
             raise HarnessError(f"a harness process crashed:\n{arg}")
         if kind == "done":
             res = self.results.setdefault(arg[1], RequestResult(arg[1]))
-            res.done_at[arg[0]], res.loaded_at[arg[0]] = arg[2], arg[3]
+            res.done_at[arg[0]], res.loaded_at[arg[0]], res.load_call_us[arg[0]] = arg[2], arg[3], arg[4]
         elif kind == "verified":
             self.results.setdefault(arg[1], RequestResult(arg[1])).done[arg[0]] = arg[2]
         elif kind == "failed":
