@@ -186,6 +186,13 @@ class NixlAgent:
         with self._lock:
             return frozenset(self._remotes)
 
+    def try_lock(self) -> bool:
+        """Take this agent's lock without waiting (see :meth:`unlock`)."""
+        return self._lock.acquire(blocking=False)
+
+    def unlock(self) -> None:
+        self._lock.release()
+
     def _check(self) -> None:
         if self._closed:
             raise NixlError(f"NIXL agent {self.name!r} is closed")

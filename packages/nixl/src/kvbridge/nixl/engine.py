@@ -71,6 +71,9 @@ class EngineConfig:
     transfer_timeout_s: float = 60.0
     allow_strided: bool = True
     mem_type: str = "DRAM"
+    #: build and post READs on the worker thread, so load() and poll() never wait for NIXL
+    #: (over UCX in host memory NIXL performs the copy inside the post call)
+    post_in_background: bool = True
     #: model identity and attention backend for the handshake's compatibility hash
     model: str = "kvbridge-synthetic"
     attention_backend: str = "kvbridge"
@@ -183,7 +186,7 @@ class _RankEngine:
         self._advertised: tuple[str, int] | None = None
         self._zmq = zmq.Context(io_threads=1)
         self._peers: dict[str, _Peer] = {}
-        self._jobs: queue.Queue[_Peer | None] = queue.Queue()
+        self._jobs: queue.Queue[object] = queue.Queue()
         self._results: queue.Queue[tuple[_Peer, str | None]] = queue.Queue()
         self._worker = threading.Thread(target=self._work, name=f"kvbridge-handshake-{rank}", daemon=True)
         self._worker.start()
@@ -243,11 +246,17 @@ class _RankEngine:
     def _plan_for(self, peer_spec: EngineSpec) -> TransferPlan:
         raise NotImplementedError
 
+    def _run_job(self, job: object) -> None:
+        raise NotImplementedError
+
     def _work(self) -> None:
         while True:
             peer = self._jobs.get()
             if peer is None:
                 return
+            if not isinstance(peer, _Peer):
+                self._run_job(peer)
+                continue
             t0 = time.perf_counter()
             try:
                 self._handshake(peer)
@@ -437,6 +446,8 @@ class DecodeEngine(_RankEngine):
         self.tracker = DecodeTracker(self.stats)
         self._loads: dict[str, _Load] = {}
         self._push_waiting: dict[str, set[int]] = {}
+        self._posted: queue.Queue[tuple[_Load, dict[int, Transfer], str | None, float]] = queue.Queue()
+        self._orphans: list[Transfer] = []
 
     # planning hooks
     def _plan_for(self, peer_spec: EngineSpec) -> TransferPlan:
@@ -500,18 +511,26 @@ class DecodeEngine(_RankEngine):
                                         lids, 0, token, expect_from=sources)
 
     def poll(self) -> DecodeEvents:
-        """Advance handshakes, transfers, timeouts and lease renewals; return finished requests."""
-        self._poll_handshakes()
-        if self.config.mode == "pull":
-            self._poll_transfers()
-        else:
-            self._poll_push()
-        now = time.monotonic()
-        for t in self.tracker.overdue(now):
-            self._fail(t.request_id, FailureKind.TIMEOUT,
-                       f"not complete within {self.config.transfer_timeout_s:.1f} s")
-        if self.config.mode == "pull":
-            self._renew(now)
+        """Advance handshakes, transfers, timeouts and lease renewals; return finished requests.
+
+        Never waits: while the worker thread is inside a NIXL call, this round is skipped.
+        """
+        if self.agent.try_lock():
+            try:
+                self._poll_handshakes()
+                if self.config.mode == "pull":
+                    self._drain_posted()
+                    self._poll_transfers()
+                else:
+                    self._poll_push()
+                now = time.monotonic()
+                for t in self.tracker.overdue(now):
+                    self._fail(t.request_id, FailureKind.TIMEOUT,
+                               f"not complete within {self.config.transfer_timeout_s:.1f} s")
+                if self.config.mode == "pull":
+                    self._renew(now)
+            finally:
+                self.agent.unlock()
         return DecodeEvents(self.tracker.take_done(), self.tracker.take_failed())
 
     @property
@@ -534,43 +553,95 @@ class DecodeEngine(_RankEngine):
         self.stats.notifications_sent += 1
 
     def _post(self, ld: _Load) -> None:
+        """Build and post the READs of a request whose peer is ready (on the worker thread by default)."""
+        if self.config.post_in_background:
+            self._jobs.put(ld)
+        else:
+            self._run_job(ld)
+            self._drain_posted()
+
+    def _run_job(self, ld: object) -> None:
+        if not isinstance(ld, _Load):
+            return
+        t0 = time.perf_counter()
+        parts: dict[int, Transfer] = {}
+        prep = 0.0
+        try:
+            prep = self._build(ld, parts)
+            peer = ld.peer
+            for q, x in parts.items():
+                if self.agent.post(x) == "ERR":
+                    raise NixlError(f"posting the READ from engine {peer.engine_id!r} rank {q} failed")
+            rp = self._rank_plan(peer.plan)
+            for q in (rp.notify_only_ranks if parts else rp.handshake_ranks):
+                self._notify(peer, q, ld, Kind.DONE)
+            err = None
+        except NixlError as exc:  # the peer may be dead or restarted
+            err = f"NIXL: {exc}"
+        except (ValueError, KeyError) as exc:
+            err = str(exc) or type(exc).__name__
+        except Exception as exc:  # the worker must survive anything
+            err = f"{type(exc).__name__}: {exc}"
+        self._posted.put((ld, parts, err, prep if prep else (time.perf_counter() - t0) * 1e6))
+
+    def _build(self, ld: _Load, parts: dict[int, Transfer]) -> float:
+        """Make one READ per source rank (not posted); returns the microseconds it took."""
+        t0 = time.perf_counter()
         peer = ld.peer
         plan = peer.plan
         rp = self._rank_plan(plan)
-        rid = ld.request_id
-        try:
-            lu = self.spec.block_size // rp.unit_tokens
-            ru = plan.prefill.block_size // rp.unit_tokens
-            skip = ld.computed_tokens // rp.unit_tokens
-            rids = np.asarray(ld.params.block_ids, dtype=np.int64)
-            lb, lun, rb, run = unit_pairs(ld.local_ids, rids, lu, ru, skip)
-            parts: dict[int, Transfer] = {}
-            if lb.size:
-                msg_done = None
-                for q in rp.source_ranks:
-                    check_block_ids(rb, peer.infos[q].num_blocks, f"engine {peer.engine_id!r} rank {q}")
-                    k = peer.pieces[q]
-                    li = request_indices(lb, lun, self.geometry.roles, lu, k, self.geometry.num_blocks)
-                    ri = request_indices(rb, run, self._remote_geometry(peer, q).roles, ru, k,
-                                         peer.infos[q].num_blocks)
-                    msg_done = encode_notification(
-                        Notification(Kind.DONE, rid, self.spec.tp_size, self.rank, ld.token))
-                    x = self.agent.make_transfer("READ", peer.local_lists[q], li, peer.remote_lists[q], ri,
-                                                 msg_done)
-                    parts[q] = x
-                    ld.transfers[q] = x
-                    if self.agent.post(x) == "ERR":
-                        raise NixlError(f"posting the READ from engine {peer.engine_id!r} rank {q} failed")
-                notify = rp.notify_only_ranks
-            else:  # full prefix hit (or nothing to read): tell every rank it may free the blocks
-                notify = rp.handshake_ranks
-            for q in notify:
-                self._notify(peer, q, ld, Kind.DONE)
+        lu = self.spec.block_size // rp.unit_tokens
+        ru = plan.prefill.block_size // rp.unit_tokens
+        skip = ld.computed_tokens // rp.unit_tokens
+        rids = np.asarray(ld.params.block_ids, dtype=np.int64)
+        lb, lun, rb, run = unit_pairs(ld.local_ids, rids, lu, ru, skip)
+        if lb.size == 0:  # full prefix hit (or nothing to read): notify every rank instead
+            return (time.perf_counter() - t0) * 1e6
+        msg = encode_notification(Notification(Kind.DONE, ld.request_id, self.spec.tp_size, self.rank,
+                                               ld.token))
+        li_cache: dict[int, np.ndarray] = {}
+        for q in rp.source_ranks:
+            check_block_ids(rb, peer.infos[q].num_blocks, f"engine {peer.engine_id!r} rank {q}")
+            k = peer.pieces[q]
+            li = li_cache.get(k)
+            if li is None:
+                li = li_cache[k] = request_indices(lb, lun, self.geometry.roles, lu, k,
+                                                   self.geometry.num_blocks)
+            ri = request_indices(rb, run, self._remote_geometry(peer, q).roles, ru, k,
+                                 peer.infos[q].num_blocks)
+            parts[q] = self.agent.make_transfer("READ", peer.local_lists[q], li, peer.remote_lists[q], ri,
+                                                msg)
+        return (time.perf_counter() - t0) * 1e6
+
+    def _drain_posted(self) -> None:
+        """Apply the worker's posting results (caller thread)."""
+        for x in list(self._orphans):
+            if self.agent.release_transfer(x):
+                self._orphans.remove(x)
+        while True:
+            try:
+                ld, parts, err, prep_us = self._posted.get_nowait()
+            except queue.Empty:
+                return
+            rid = ld.request_id
+            if self._loads.get(rid) is not ld:  # failed or timed out meanwhile
+                self._orphans.extend(x for x in parts.values() if not self.agent.release_transfer(x))
+                continue
+            self.stats.prep_us += int(prep_us)
+            self.stats.posts += 1
+            ld.transfers.update(parts)
+            if err is not None:
+                self._fail(rid, FailureKind.POST, err)
+                if err.startswith("NIXL: ") and ld.peer.state == "ready":
+                    # posting to this engine failed in NIXL: handshake again next time
+                    for other, ol in list(self._loads.items()):
+                        if ol.peer is ld.peer and not ol.transfers:
+                            self._fail(other, FailureKind.POST, err)
+                    self._drop_peer(ld.peer)
+                continue
             self.tracker.posted(rid, list(parts))
             if not parts:
                 self._loads.pop(rid, None)
-        except (NixlError, ValueError) as exc:
-            self._fail(rid, FailureKind.POST, str(exc))
 
     def _release_load(self, ld: _Load) -> None:
         for x in ld.transfers.values():

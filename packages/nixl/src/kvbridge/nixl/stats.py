@@ -14,6 +14,8 @@ class Stats:
     transfers: int = 0
     bytes: int = 0
     descriptors: int = 0
+    posts: int = 0  # requests whose transfers were built and posted
+    prep_us: int = 0  # kvbridge time from block ids to transfers ready to post
     post_us: int = 0  # NIXL telemetry: time spent posting
     xfer_us: int = 0  # NIXL telemetry: time from post to completion
     handshakes: int = 0
