@@ -1,1 +1,116 @@
-"""kvbridge KV-cache memory regions and NIXL descriptor geometry."""
+"""kvbridge KV-cache memory regions and NIXL descriptor geometry.
+
+API summary (everything is a frozen value or a plain function; no global state)
+===============================================================================
+
+Conventions
+-----------
+* A *region* is one registrable, contiguous memory range holding ``num_blocks``
+  blocks ``block_stride`` bytes apart: the K or the V tensor of one layer
+  (kv-first), one layer's ``[blocks, 2, ...]`` tensor (blocks-first, K half then
+  V half), one layer's MLA latent, the single cross-layer tensor, or one hybrid
+  layer's shared page tensor (attention K/V *or* Mamba conv+SSM state per page).
+* Blocks are *logical* (the engine's ``block_size``). An attention kernel may
+  split each logical block into ``kernel_blocks_per_block`` physical blocks;
+  descriptors for attention are per **kernel** block (block id ``b`` -> kernel
+  ids ``b*n .. b*n+n-1``). Mamba state is per logical block (page), never split.
+* Topology plans must be made on kernel-level specs so their transfer units
+  match the physical blocks: ``plan_rank(kernel_spec(local), kernel_spec(remote), r)``
+  (identity when ``kernel_blocks_per_block == 1``).
+* Descriptor arrays are ``numpy.uint64``: N x 3 ``(address, length, device)`` or
+  strided N x 5 ``(address, length, device, stride, count)`` where one row stands
+  for ``count`` descriptors ``stride`` apart. Both forms enumerate the same
+  descriptors in the same order: *row-major, block-minor*, so descriptor
+  ``row * num_blocks + b`` is block ``b`` of that row and consecutive blocks are
+  consecutive indices (NIXL merges them). Rows are ordered region, element
+  (K/V), read, transfer unit.
+
+Regions (``kvbridge.memory.regions``)
+-------------------------------------
+``Region``: frozen; ``base_addr, size, device_id, mem_type ("DRAM"|"VRAM"),
+num_blocks, block_stride, element_bytes, element_offsets, roles`` where roles
+are ``(layer, kind)`` pairs (kind 0 = K or MLA latent, 1 = V; ``"conv"``/``"ssm"``
+pieces of Mamba layers are listed in ``mamba_layers``).
+
+``regions_from_kv_caches(kv_caches, spec) -> CacheRegions``: ``kv_caches`` is a
+``Mapping[str, Tensor | (conv, ssm)]`` or a ``Sequence`` of the same, one entry
+per layer in layer order; tensors sharing memory are registered once.
+Raises ``MemoryLayoutError`` (a ``ValueError``) for non-contiguous blocks, mixed
+devices, inconsistent block counts or sizes.
+
+``CacheRegions``: frozen; ``regions: tuple[Region, ...]``, ``spec``,
+``num_blocks`` (logical), ``device_id``, ``mem_type``;
+``registration_descs() -> ndarray[N, 3] uint64`` (adjacent ranges merged),
+``byte_view(i) -> Tensor`` (uint8 ``[num_blocks, block_stride]`` view of region i).
+
+Geometry (``kvbridge.memory.geometry``)
+---------------------------------------
+``kernel_spec(spec) -> EngineSpec``: the spec of one kernel block (plan on it).
+
+``RegionGeometry``: plain numbers only; ``base_addrs, block_strides (per region,
+between logical blocks), num_blocks, block_tokens, kernel_blocks_per_block,
+element_bytes, element_offsets (within a kernel block), device_id, mem_type``.
+``RegionGeometry.from_regions(cache_regions)`` (local side) and
+``RegionGeometry.from_remote(spec, base_addrs, num_blocks, block_lens,
+device_id=0, mem_type="VRAM")`` (a peer's handshake numbers; ``block_lens`` are
+bytes between logical blocks per region).
+
+Descriptors (``kvbridge.memory.descriptors``)
+---------------------------------------------
+``rank_descriptors(plan, remote_rank, local, remote) -> RankDescriptors``:
+for one remote rank of a ``RankPlan``: the remote prepared list and the
+matching local split list, attention rows first then (hybrids) Mamba rows
+(x, B, C, SSM pieces from ``plan.mamba``). Block-size ratios: the side with the
+larger kernel block has ``ratio`` transfer units per element, each its own row.
+
+``RankDescriptors``: ``remote_rank``, ``remote_descs(strided=False)``,
+``local_descs(strided=False)``, ``num_remote_descs``, ``num_local_descs``, and
+``indices(local_ids, remote_ids, *, group="attention"|"mamba",
+local_skip_blocks=None) -> (local_idx, remote_idx)`` (int32 index arrays into
+the two lists). Ids are logical block ids of that group; ``remote_ids`` start
+at the prompt's first token, ``local_ids`` at block ``local_skip_blocks`` (a
+partial prefix hit: only the uncomputed tail is read; ``None`` = the vLLM
+convention ``len(remote_ids) - len(local_ids)`` for equal block sizes).
+
+Staging and post-processing
+---------------------------
+``HostStaging.allocate(cache_regions, pin_memory=None)``: host mirrors of device
+regions; ``.regions`` (DRAM ``CacheRegions`` to register/describe instead),
+``.to_host(block_ids)`` before sending, ``.to_device(block_ids)`` after receiving.
+
+``post_process(cache_regions, block_ids, post, spec)``: in-place rearrangement
+of received blocks per ``topology.PostProcess`` (HND<->NHD, ``units`` smaller
+remote blocks ``[units, heads, tokens, dim]`` -> ``[heads, units*tokens, dim]``,
+or both). ``block_ids`` are local logical ids.
+
+Payload helpers (``kvbridge.memory.payload``)
+---------------------------------------------
+``split_kv(kv, layout) -> (K, V)``; ``slice_heads(shard, *, num_heads,
+sender_tp, sender_rank, receiver_tp, receiver_rank, dim)``;
+``merge_heads(shards: Mapping[sender_rank, Tensor], *, num_heads, sender_tp,
+receiver_tp, receiver_rank, dim)``.
+"""
+
+from .descriptors import RankDescriptors, rank_descriptors
+from .errors import MemoryLayoutError
+from .geometry import RegionGeometry, kernel_spec
+from .payload import merge_heads, slice_heads, split_kv
+from .postprocess import post_process
+from .regions import CacheRegions, Region, regions_from_kv_caches
+from .staging import HostStaging
+
+__all__ = [
+    "CacheRegions",
+    "HostStaging",
+    "MemoryLayoutError",
+    "RankDescriptors",
+    "Region",
+    "RegionGeometry",
+    "kernel_spec",
+    "merge_heads",
+    "post_process",
+    "rank_descriptors",
+    "regions_from_kv_caches",
+    "slice_heads",
+    "split_kv",
+]

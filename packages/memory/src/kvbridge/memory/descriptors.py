@@ -1,0 +1,330 @@
+"""Descriptor arrays for one remote rank of a read plan (numpy only, no per-block loops).
+
+For each remote rank that a local rank reads, NIXL needs two prepared lists:
+the *remote* list (descriptors inside the remote rank's registered regions)
+and the matching *local split* list (where those bytes land locally). Both are
+made once per (remote engine, remote rank); a request then selects descriptors
+by index (:meth:`RankDescriptors.indices`).
+
+Row model. A descriptor row is one (region, element, read, transfer unit) for
+attention, or one (region, Mamba piece) for hybrid models; it stands for one
+descriptor per block, ``stride`` bytes apart. Descriptor ``start(row) + b`` is
+block ``b`` of ``row`` (kernel block for attention, page for Mamba), so
+consecutive blocks are consecutive indices. The strided ``N x 5`` form is the
+row table itself: O(rows) = O(regions x reads x units), independent of the
+number of blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from kvbridge.topology import RankPlan
+
+from .errors import MemoryLayoutError
+from .geometry import RegionGeometry
+
+_U64 = np.uint64
+_I32_MAX = np.iinfo(np.int32).max
+
+
+def expand_strided(rows: np.ndarray) -> np.ndarray:
+    """``N x 5`` strided rows -> the ``M x 3`` descriptors they stand for, in order."""
+    rows = np.asarray(rows, dtype=_U64)
+    if rows.ndim != 2 or rows.shape[1] != 5:
+        raise MemoryLayoutError(f"strided descriptors must be N x 5, got shape {rows.shape}")
+    counts = rows[:, 4].astype(np.int64)
+    total = int(counts.sum())
+    out = np.empty((total, 3), dtype=_U64)
+    if total == 0:
+        return out
+    # consecutive rows with the same count expand by broadcasting (the common case)
+    change = np.flatnonzero(np.diff(counts)) + 1
+    bounds = np.concatenate(([0], change, [len(rows)]))
+    pos = 0
+    for a, b in zip(bounds[:-1], bounds[1:], strict=False):
+        cnt = int(counts[a])
+        if cnt == 0:
+            continue
+        seg = rows[a:b]
+        n = (b - a) * cnt
+        view = out[pos:pos + n]
+        steps = np.arange(cnt, dtype=_U64)
+        addr = view[:, 0].reshape(b - a, cnt)
+        np.multiply(seg[:, 3:4], steps[None, :], out=addr)
+        addr += seg[:, 0:1]
+        view[:, 1].reshape(b - a, cnt)[...] = seg[:, 1:2]
+        view[:, 2].reshape(b - a, cnt)[...] = seg[:, 2:3]
+        pos += n
+    return out
+
+
+def _units(kernel_tokens: int, unit_tokens: int, side: str) -> int:
+    if unit_tokens <= 0 or kernel_tokens % unit_tokens:
+        raise MemoryLayoutError(
+            f"the plan's transfer unit of {unit_tokens} tokens does not divide the {side} kernel "
+            f"block of {kernel_tokens} tokens; make the plan with kernel_spec() of both engines"
+        )
+    return kernel_tokens // unit_tokens
+
+
+@dataclass(frozen=True, eq=False)
+class RankDescriptors:
+    """Prepared-list geometry of one local rank against one remote rank.
+
+    ``local_rows`` / ``remote_rows`` are the strided ``N x 5`` tables; the
+    attention rows come first, then the Mamba rows (hybrid models). The counts
+    and sizes below are what :meth:`indices` needs to address them.
+    """
+
+    remote_rank: int
+    local_rows: np.ndarray
+    remote_rows: np.ndarray
+    #: attention rows per side = keys * units; keys = regions * elements * reads
+    attn_keys: int
+    local_units: int
+    remote_units: int
+    local_kernel_blocks: int
+    remote_kernel_blocks: int
+    local_kernel_per_block: int
+    remote_kernel_per_block: int
+    local_block_tokens: int
+    remote_block_tokens: int
+    unit_tokens: int
+    #: Mamba rows per side (region x piece), one descriptor per page
+    mamba_rows: int
+    local_pages: int
+    remote_pages: int
+
+    # ----- the lists -----------------------------------------------------
+    def local_descs(self, strided: bool = False) -> np.ndarray:
+        """The local split list: ``N x 5`` rows if ``strided`` else ``M x 3`` descriptors."""
+        return self.local_rows.copy() if strided else expand_strided(self.local_rows)
+
+    def remote_descs(self, strided: bool = False) -> np.ndarray:
+        """The remote prepared list: ``N x 5`` rows if ``strided`` else ``M x 3`` descriptors."""
+        return self.remote_rows.copy() if strided else expand_strided(self.remote_rows)
+
+    @property
+    def num_local_descs(self) -> int:
+        return int(self.local_rows[:, 4].sum()) if len(self.local_rows) else 0
+
+    @property
+    def num_remote_descs(self) -> int:
+        return int(self.remote_rows[:, 4].sum()) if len(self.remote_rows) else 0
+
+    @property
+    def local_attn_descs(self) -> int:
+        return self.attn_keys * self.local_units * self.local_kernel_blocks
+
+    @property
+    def remote_attn_descs(self) -> int:
+        return self.attn_keys * self.remote_units * self.remote_kernel_blocks
+
+    # ----- request indices ----------------------------------------------
+    def indices(
+        self,
+        local_ids: Sequence[int] | np.ndarray,
+        remote_ids: Sequence[int] | np.ndarray,
+        *,
+        group: str = "attention",
+        local_skip_blocks: int | None = None,
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """``(local_idx, remote_idx)`` int32 arrays selecting one request's descriptors.
+
+        ``local_ids`` / ``remote_ids`` are the request's *logical* block ids of
+        one KV-cache group. Attention (``group="attention"``): ``remote_ids``
+        cover the prompt from its first token and ``local_ids`` start at local
+        block ``local_skip_blocks`` (a partial prefix hit: blocks the local
+        engine already has are not read). ``None`` means
+        ``len(remote_ids) - len(local_ids)`` when both block sizes are equal,
+        else 0. Units are paired in token order; units past the end of either
+        list are left out. Mamba (``group="mamba"``): the state pages pair
+        up from the end (``remote_ids[-len(local_ids):]``).
+        """
+        lids = _ids(local_ids, "local")
+        rids = _ids(remote_ids, "remote")
+        if group == "attention":
+            return self._attn_indices(lids, rids, local_skip_blocks)
+        if group == "mamba":
+            return self._mamba_indices(lids, rids)
+        raise MemoryLayoutError(f"group must be 'attention' or 'mamba', got {group!r}")
+
+    def _attn_indices(self, lids: np.ndarray, rids: np.ndarray, skip: int | None):
+        _check_range(lids, self.local_kernel_blocks // self.local_kernel_per_block, "local")
+        _check_range(rids, self.remote_kernel_blocks // self.remote_kernel_per_block, "remote")
+        if skip is None:
+            skip = max(0, len(rids) - len(lids)) if (
+                self.local_block_tokens == self.remote_block_tokens) else 0
+        if skip < 0:
+            raise MemoryLayoutError(f"local_skip_blocks must be >= 0, got {skip}")
+        nl, nr = self.local_kernel_per_block, self.remote_kernel_per_block
+        lk = (lids[:, None] * nl + np.arange(nl, dtype=np.int64)).ravel()
+        rk = (rids[:, None] * nr + np.arange(nr, dtype=np.int64)).ravel()
+        lu, ru = self.local_units, self.remote_units
+        skip_u = skip * (self.local_block_tokens // self.unit_tokens)
+        end = min(skip_u + len(lk) * lu, len(rk) * ru)
+        g = np.arange(skip_u, max(end, skip_u), dtype=np.int64)
+        if self.attn_keys == 0 or len(g) == 0:
+            return np.empty(0, np.int32), np.empty(0, np.int32)
+        lpos = g - skip_u
+        lblock, lunit = lk[lpos // lu], lpos % lu
+        rblock, runit = rk[g // ru], g % ru
+        if lu > 1 or ru > 1:  # unit-major so that consecutive blocks stay consecutive
+            order = np.lexsort((g, runit, lunit))
+            lblock, lunit, rblock, runit = lblock[order], lunit[order], rblock[order], runit[order]
+        keys = np.arange(self.attn_keys, dtype=np.int64)[:, None]
+        lidx = (keys * lu + lunit[None, :]) * self.local_kernel_blocks + lblock[None, :]
+        ridx = (keys * ru + runit[None, :]) * self.remote_kernel_blocks + rblock[None, :]
+        return _i32(lidx.ravel()), _i32(ridx.ravel())
+
+    def _mamba_indices(self, lids: np.ndarray, rids: np.ndarray):
+        if self.mamba_rows == 0 and (len(lids) or len(rids)) and self.local_pages == 0:
+            raise MemoryLayoutError("this engine pair has no Mamba state; use group='attention'")
+        _check_range(lids, self.local_pages, "local")
+        _check_range(rids, self.remote_pages, "remote")
+        if len(lids) > len(rids):
+            raise MemoryLayoutError(
+                f"{len(lids)} local Mamba blocks but the remote request has only {len(rids)}"
+            )
+        rids = rids[len(rids) - len(lids):]
+        if self.mamba_rows == 0 or len(lids) == 0:
+            return np.empty(0, np.int32), np.empty(0, np.int32)
+        rows = np.arange(self.mamba_rows, dtype=np.int64)[:, None]
+        lidx = self.local_attn_descs + rows * self.local_pages + lids[None, :]
+        ridx = self.remote_attn_descs + rows * self.remote_pages + rids[None, :]
+        return _i32(lidx.ravel()), _i32(ridx.ravel())
+
+
+def _ids(ids: Sequence[int] | np.ndarray, side: str) -> np.ndarray:
+    arr = np.asarray(ids, dtype=np.int64).reshape(-1)
+    return arr
+
+
+def _check_range(ids: np.ndarray, limit: int, side: str) -> None:
+    if len(ids) and (ids.min() < 0 or ids.max() >= limit):
+        bad = ids[(ids < 0) | (ids >= limit)][:5].tolist()
+        raise MemoryLayoutError(f"{side} block ids {bad} are outside the {limit} blocks of the cache")
+
+
+def _i32(a: np.ndarray) -> np.ndarray:
+    if len(a) and a.max() > _I32_MAX:
+        raise MemoryLayoutError("descriptor index exceeds int32; register fewer blocks per list")
+    return a.astype(np.int32)
+
+
+def _rows(addr: np.ndarray, length: np.ndarray, device: int, stride: np.ndarray,
+          count: int) -> np.ndarray:
+    out = np.empty((len(addr), 5), dtype=_U64)
+    out[:, 0] = addr
+    out[:, 1] = length
+    out[:, 2] = device
+    out[:, 3] = stride
+    out[:, 4] = count
+    return out
+
+
+def rank_descriptors(
+    plan: RankPlan,
+    remote_rank: int,
+    local: RegionGeometry,
+    remote: RegionGeometry,
+) -> RankDescriptors:
+    """Descriptor rows of ``plan`` for ``remote_rank``: remote list and local split list.
+
+    ``plan`` must come from ``plan_rank(kernel_spec(local_spec),
+    kernel_spec(remote_spec), rank)``. A remote rank that is only notified
+    (or, in hybrids, read for Mamba state only) gets no attention rows.
+    """
+    if remote_rank not in plan.handshake_ranks and remote_rank not in plan.source_ranks:
+        raise MemoryLayoutError(
+            f"remote rank {remote_rank} is not a peer of local rank {plan.local_rank} "
+            f"(handshake ranks {plan.handshake_ranks})"
+        )
+    if local.num_regions != remote.num_regions or local.elements_per_block != remote.elements_per_block:
+        raise MemoryLayoutError(
+            f"local cache has {local.num_regions} regions x {local.elements_per_block} elements but "
+            f"the remote has {remote.num_regions} x {remote.elements_per_block}; both engines must "
+            "use the same KV-cache layout and layer count"
+        )
+    ut = plan.unit_tokens
+    lu = _units(local.kernel_block_tokens, ut, "local")
+    ru = _units(remote.kernel_block_tokens, ut, "remote")
+    if min(lu, ru) != 1:
+        raise MemoryLayoutError(
+            f"the plan's transfer unit ({ut} tokens) is smaller than both kernel blocks "
+            f"({local.kernel_block_tokens}, {remote.kernel_block_tokens}); make the plan with "
+            "kernel_spec() of both engines"
+        )
+    for side, geo, units, ub in (("local", local, lu, plan.local_unit_bytes),
+                                 ("remote", remote, ru, plan.remote_unit_bytes)):
+        if units * ub > geo.element_bytes:
+            raise MemoryLayoutError(
+                f"{side} elements are {geo.element_bytes} bytes but the plan needs {units} units of "
+                f"{ub} bytes; the plan does not match this cache (plan on kernel_spec() of the "
+                "engines that own these regions)"
+            )
+    reads = plan.reads_from(remote_rank)
+    nreg, nel, nrd = local.num_regions, local.elements_per_block, len(reads)
+    # attention rows: (region, element, read, unit), unit fastest
+    l_read_off = np.array([r.local_offset for r in reads], dtype=np.int64)
+    r_read_off = np.array([r.remote_offset for r in reads], dtype=np.int64)
+    lengths = np.array([r.length for r in reads], dtype=np.int64)
+
+    def attn(geo: RegionGeometry, units: int, unit_bytes: int, read_off: np.ndarray) -> np.ndarray:
+        base = np.asarray(geo.base_addrs, dtype=np.int64)[:, None, None, None]
+        elem = np.asarray(geo.element_offsets, dtype=np.int64)[None, :, None, None]
+        roff = read_off[None, None, :, None]
+        uoff = (np.arange(units, dtype=np.int64) * unit_bytes)[None, None, None, :]
+        addr = (base + elem + roff + uoff).reshape(-1)
+        shape = (nreg, nel, nrd, units)
+        length = np.broadcast_to(lengths[None, None, :, None], shape).reshape(-1)
+        stride = np.broadcast_to(
+            np.asarray(geo.kernel_strides, dtype=np.int64)[:, None, None, None], shape).reshape(-1)
+        return _rows(addr, length, geo.device_id, stride, geo.num_kernel_blocks)
+
+    l_rows = [attn(local, lu, plan.local_unit_bytes, l_read_off)]
+    r_rows = [attn(remote, ru, plan.remote_unit_bytes, r_read_off)]
+    mamba_rows = 0
+    if plan.mamba is not None:
+        pieces = [p for p in plan.mamba.mamba_pieces if p.remote_rank == remote_rank]
+        mamba_rows = nreg * len(pieces)
+        if pieces:
+            if local.block_tokens != remote.block_tokens:
+                raise MemoryLayoutError("hybrid Mamba models need equal block sizes on both sides")
+            p_len = np.array([p.length for p in pieces], dtype=np.int64)
+            for geo, offs, out in ((local, [p.local_offset for p in pieces], l_rows),
+                                   (remote, [p.remote_offset for p in pieces], r_rows)):
+                off = np.asarray(offs, dtype=np.int64)
+                if int((off + p_len).max()) > min(geo.block_strides):
+                    raise MemoryLayoutError(
+                        "the Mamba state does not fit in a page of this cache; the engine "
+                        "description (Mamba sizes, TP) does not match the regions"
+                    )
+                base = np.asarray(geo.base_addrs, dtype=np.int64)[:, None]
+                addr = (base + off[None, :]).reshape(-1)
+                length = np.broadcast_to(p_len[None, :], (nreg, len(pieces))).reshape(-1)
+                stride = np.broadcast_to(
+                    np.asarray(geo.block_strides, dtype=np.int64)[:, None], (nreg, len(pieces))
+                ).reshape(-1)
+                out.append(_rows(addr, length, geo.device_id, stride, geo.num_blocks))
+    return RankDescriptors(
+        remote_rank=remote_rank,
+        local_rows=np.concatenate(l_rows),
+        remote_rows=np.concatenate(r_rows),
+        attn_keys=nreg * nel * nrd,
+        local_units=lu,
+        remote_units=ru,
+        local_kernel_blocks=local.num_kernel_blocks,
+        remote_kernel_blocks=remote.num_kernel_blocks,
+        local_kernel_per_block=local.kernel_blocks_per_block,
+        remote_kernel_per_block=remote.kernel_blocks_per_block,
+        local_block_tokens=local.block_tokens,
+        remote_block_tokens=remote.block_tokens,
+        unit_tokens=ut,
+        mamba_rows=mamba_rows,
+        local_pages=local.num_blocks,
+        remote_pages=remote.num_blocks,
+    )

@@ -1,0 +1,5 @@
+"""(being implemented)"""
+
+
+class HostStaging:
+    pass
