@@ -192,7 +192,9 @@ def _validate(frames: list[bytes], endpoint: str, want: list[int], engine_id: st
         if md.rank != rank:
             raise MalformedReply(f"{endpoint} answered rank {rank} with the metadata of rank "
                                  f"{md.rank}")
-        problems = metadata_problems(md)
+        # engine facts equal to an already checked rank's need not be rebuilt again
+        same_engine = first is not None and md.engine == first.engine
+        problems = metadata_problems(md, check_engine=not same_engine)
         if problems:
             raise MalformedReply(f"metadata of rank {rank} from {endpoint} is inconsistent: "
                                  + "; ".join(problems))

@@ -9,6 +9,8 @@ ignored by an older decoder.
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import operator
 
 import msgspec
 
@@ -163,8 +165,26 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def metadata_problems(md: AgentMetadata) -> list[str]:
-    """Every internal inconsistency of ``md`` as a readable sentence (empty when consistent)."""
+def _regions_ok(addrs: list[int], sizes: list[int], lens: list[int], num_blocks: int) -> bool:
+    """Fast path: True when every region is sound (the slow loop then finds nothing to say)."""
+    try:
+        if not set(map(type, itertools.chain(addrs, sizes, lens))) <= {int}:
+            return False
+        return (
+            min(addrs) >= 0 and min(sizes) > 0 and min(lens) > 0
+            and max(map(operator.add, addrs, sizes)) <= _U64
+            and all(map(operator.ge, sizes, [num_blocks * x for x in lens]))
+        )
+    except (TypeError, ValueError):
+        return False
+
+
+def metadata_problems(md: AgentMetadata, *, check_engine: bool = True) -> list[str]:
+    """Every internal inconsistency of ``md`` as a readable sentence (empty when consistent).
+
+    ``check_engine=False`` skips rebuilding the EngineSpec from ``md.engine``
+    (for callers that already checked equal engine facts of another rank).
+    """
     problems: list[str] = []
     for name in ("engine_id", "incarnation", "agent_name", "attention_backend"):
         value = getattr(md, name)
@@ -205,7 +225,7 @@ def metadata_problems(md: AgentMetadata) -> list[str]:
             f"region counts differ: {n} base addresses, {len(md.region_sizes)} sizes, "
             f"{len(md.block_lens)} block lengths (one of each per region)"
         )
-    else:
+    elif not _regions_ok(md.region_base_addrs, md.region_sizes, md.block_lens, md.num_blocks):
         for i, (addr, size, blen) in enumerate(
             zip(md.region_base_addrs, md.region_sizes, md.block_lens, strict=True)
         ):
@@ -233,10 +253,11 @@ def metadata_problems(md: AgentMetadata) -> list[str]:
 
     # The engine facts must describe this rank's engine.
     e = md.engine
-    try:
-        e.to_spec()
-    except (ValueError, TypeError) as exc:  # TopologyError is a ValueError
-        problems.append(f"engine facts do not describe a valid engine: {exc}")
+    if check_engine:
+        try:
+            e.to_spec()
+        except (ValueError, TypeError) as exc:  # TopologyError is a ValueError
+            problems.append(f"engine facts do not describe a valid engine: {exc}")
     pairs = (
         ("engine_id", md.engine_id, e.engine_id),
         ("tp_size", md.tp_size, e.tp_size),

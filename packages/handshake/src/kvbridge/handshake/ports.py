@@ -41,6 +41,8 @@ class SideChannelPorts:
 
     def __post_init__(self) -> None:
         _check_int("base_port", self.base_port, 1)
+        if self.base_port > MAX_PORT:
+            raise PortAllocationError(f"base_port {self.base_port} is past {MAX_PORT}")
         _check_int("replicas_per_engine", self.replicas_per_engine, 1)
         _check_int("ports_per_replica", self.ports_per_replica, 1)
         if self.engines is not None:

@@ -303,15 +303,15 @@ class MetadataServer:
         else:  # a DEALER without a delimiter
             prefix = [identity]
             body = rest
+        if total - len(identity) > self._max_frame_bytes:
+            return self._error(router, prefix, wire.TOO_LARGE,
+                               f"message of {total - len(identity)} bytes exceeds the server limit "
+                               f"of {self._max_frame_bytes}")
         if excess or len(body) != 1:
             n = "more than 2" if excess else str(len(body))
             return self._error(router, prefix, wire.BAD_REQUEST,
                                f"expected exactly one message frame, got {n}; use a REQ socket or "
                                f"a DEALER sending [b'', request]")
-        if total - len(identity) > self._max_frame_bytes:
-            return self._error(router, prefix, wire.TOO_LARGE,
-                               f"message of {total - len(identity)} bytes exceeds the server limit "
-                               f"of {self._max_frame_bytes}")
         try:
             msg = wire.MESSAGE_DECODER.decode(body[0])
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
