@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 
@@ -98,6 +99,7 @@ def _d_blocks_for(n_p: int, p_bs: int, d_bs: int) -> int:
 
 def demo_command(argv: list[str]) -> int:
     args = _demo_parser().parse_args(argv)
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
     if args.blocks <= 0 or args.requests <= 0:
         print("kvbridge demo: error: --blocks and --requests must be positive", file=sys.stderr)
@@ -166,7 +168,7 @@ def demo_command(argv: list[str]) -> int:
           f"after merging)")
     print(f"end to end: {wall * 1e3:.1f} ms, {moved / wall / 1e9:.2f} GB/s aggregate over {ranks} rank(s)")
     if xs.xfer_us:
-        print(f"NIXL telemetry: {xs.gbps:.2f} GB/s per transfer on average")
+        print(f"NIXL telemetry: {xs.gbps:.2f} GB/s per transfer on average (transfers overlap)")
     print(f"memcpy on this machine (one thread): {mc:.2f} GB/s")
     print(f"prefill released {ps.requests_released} request copies "
           f"({ps.leases_expired} by lease expiry); decode verified {sum(len(r.done) for r in res.values())} "
@@ -191,4 +193,5 @@ def demo_command(argv: list[str]) -> int:
 def bench_command(argv: list[str]) -> int:
     from .bench import main as bench_main
 
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # keep --json output clean
     return bench_main(argv)

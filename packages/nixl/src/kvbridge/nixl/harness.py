@@ -39,6 +39,7 @@ def _child(conn: Connection, role: str, spec: EngineSpec, ranks: list[int], num_
 
     logging.basicConfig(level=os.environ.get("KVBRIDGE_LOG", "WARNING"))
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL logs INFO lines to stdout otherwise
     try:
         _child_loop(conn, role, spec, ranks, num_blocks, config, incarnation, serve_first)
     except Exception:
@@ -75,7 +76,8 @@ def _child_loop(conn, role, spec, ranks, num_blocks, config, incarnation, serve_
     running = True
     while running:
         busy = to_verify or any(len(e.tracker) if role == "d" else e.held for e in engines.values())
-        while conn.poll(0 if busy else 0.002):
+        # wait in select() (GIL released) rather than spin: the engine worker thread needs the GIL
+        while conn.poll(0.0002 if busy else 0.002):
             cmd, arg = conn.recv()
             if cmd == "close":
                 running = False
