@@ -19,12 +19,15 @@ Facts this wrapper relies on (checked by ``tests/test_agent.py`` on real UCX):
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
+
+log = logging.getLogger("kvbridge.nixl")
 
 XferState = Literal["DONE", "PROC", "ERR"]
 MemType = Literal["DRAM", "VRAM"]
@@ -231,6 +234,15 @@ class NixlAgent:
             name = raw.decode() if isinstance(raw, bytes) else str(raw)
             self._remotes.add(name)
             return name
+
+    def connect(self, name: str) -> None:
+        """Start connecting to a loaded peer now rather than on the first transfer (best effort)."""
+        with self._lock:
+            self._check()
+            try:
+                self._agent.make_connection(name)
+            except Exception as exc:  # the first transfer will connect (or fail) instead
+                log.debug("make_connection(%s) failed: %s", name, exc)
 
     def remove_remote(self, name: str) -> None:
         """Forget a peer: release transfers and lists bound to it, then invalidate its metadata."""

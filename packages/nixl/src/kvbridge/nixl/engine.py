@@ -298,6 +298,7 @@ class _RankEngine:
         peer.plan, peer.infos = plan, infos
         for q in ranks:
             peer.agents[q] = self.agent.add_remote(infos[q].agent_metadata)
+            self.agent.connect(peer.agents[q])
         for q in listed:
             mine, theirs, my_pieces, their_pieces = self._peer_sides(peer, q, plan)
             peer.local_lists[q] = self.agent.prepare(
