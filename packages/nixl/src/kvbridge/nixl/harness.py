@@ -73,15 +73,21 @@ def _child_loop(conn, role, spec, ranks, num_blocks, config, incarnation, serve_
     to_verify: list[tuple[int, str]] = []
     loaded_at: dict[str, float] = {}
     call_us: dict[tuple[int, str], float] = {}
+    verify_now = False
+    last_cmd = time.monotonic()
     running = True
     while running:
         busy = to_verify or any(len(e.tracker) if role == "d" else e.held for e in engines.values())
         # wait in select() (GIL released) rather than spin: the engine worker thread needs the GIL
         while conn.poll(0.0002 if busy else 0.002):
             cmd, arg = conn.recv()
+            last_cmd = time.monotonic()
             if cmd == "close":
                 running = False
                 break
+            if cmd == "verify":  # fire and forget: check what has arrived as soon as idle
+                verify_now = True
+                continue
             if cmd == "publish":  # other processes' ranks, served by this process
                 for md in arg:
                     server.set_metadata(md.rank, md)
@@ -142,7 +148,10 @@ def _child_loop(conn, role, spec, ranks, num_blocks, config, incarnation, serve_
                     conn.send(("failed", (r, f.request_id, f.kind.value, f.invalid_block_ids, f.message)))
         # verify received bytes only while no transfer is in flight, so that checking one
         # request never delays noticing that another one completed
-        if role == "d" and to_verify and not any(len(e.tracker) for e in engines.values()):
+        # (and only once the parent asked, or nothing happened for a while: the parent may be
+        # about to submit the next request)
+        if (role == "d" and to_verify and not any(len(e.tracker) for e in engines.values())
+                and (verify_now or time.monotonic() - last_cmd > 0.5)):
             r, rid = to_verify.pop(0)
             seed, ntok, computed, local_ids, pspec, verify = pending[rid]
             bad = -1
@@ -155,6 +164,8 @@ def _child_loop(conn, role, spec, ranks, num_blocks, config, incarnation, serve_
             if not any(x[1] == rid for x in to_verify):
                 pending.pop(rid, None)
                 loaded_at.pop(rid, None)
+            if not to_verify:
+                verify_now = False
     for e in engines.values():
         e.close()
     if server is not None:
@@ -376,6 +387,10 @@ class Cluster:
             self._absorb((kind, arg))
         return bool(ready)
 
+    def _transferred(self, rid: str) -> bool:
+        res = self.results.get(rid)
+        return res is not None and len(res.done_at) + len(res.failed) >= self.decode.spec.tp_size
+
     def finished(self, rid: str) -> bool:
         res = self.results.get(rid)
         return res is not None and len(res.done) + len(res.failed) >= self.decode.spec.tp_size
@@ -390,7 +405,15 @@ class Cluster:
         ``released=True``, was released on every prefill rank); raises HarnessError on timeout."""
         deadline = time.monotonic() + timeout
         left = set(rids)
+        asked = False
         while left:
+            if not asked and all(self._transferred(r) for r in left):
+                for c in self.decode.conns:
+                    try:
+                        c.send(("verify", None))
+                    except (BrokenPipeError, OSError):
+                        pass
+                asked = True
             done_now = {r for r in left if self.finished(r) and (not released or self.released(r))}
             if done_now and on_progress is not None:
                 on_progress(len(done_now))
