@@ -543,7 +543,9 @@ class DecodeEngine(_RankEngine):
         for peer, err in self._drain_handshakes():
             if err is None:
                 for t in self.tracker.handshake_done(peer.engine_id):
-                    self._post(self._loads[t.request_id])
+                    ld = self._loads[t.request_id]
+                    ld.peer = peer  # it may have waited on a handshake this one superseded
+                    self._post(ld)
             else:
                 for f in self.tracker.handshake_failed(peer.engine_id, err):
                     self._loads.pop(f.request_id, None)
