@@ -233,3 +233,14 @@ def test_push_mode_in_process():
         assert pair.dc.verify(kv, [8, 9], 0, 32) == 0
     finally:
         pair.close()
+
+
+def test_unsupported_cache_shapes_are_refused_with_a_reason():
+    from kvbridge.topology import TopologyError
+
+    spec = replace(D, block_size=32, kernel_blocks_per_block=2)
+    cache = SyntheticCache.allocate(D, 0, 4)
+    with pytest.raises(TopologyError, match="kernel_blocks_per_block=1"):
+        DecodeEngine(spec, 0, cache.geometry(), CFG)
+    with pytest.raises(ValueError, match="outside TP size"):
+        DecodeEngine(D, 1, cache.geometry(), CFG)

@@ -170,6 +170,12 @@ class _RankEngine:
             raise ValueError(f"rank {rank} is outside TP size {spec.tp_size}")
         if spec.mamba is not None:
             raise TopologyError("the NIXL engine does not transfer Mamba hybrid caches yet")
+        if spec.kernel_blocks_per_block != 1:
+            raise TopologyError(
+                f"the NIXL engine addresses whole logical blocks; engine {spec.engine_id!r} splits each "
+                f"into {spec.kernel_blocks_per_block} kernel blocks: describe the cache with "
+                "kernel_blocks_per_block=1 and block_size = the kernel block size"
+            )
         self.spec, self.rank, self.geometry = spec, rank, geometry
         self.config = config or EngineConfig()
         self.incarnation = incarnation or new_incarnation()
