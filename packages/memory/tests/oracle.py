@@ -345,6 +345,9 @@ def run_case(case: Case) -> dict:
             rd = rank_descriptors(rp, q, lgeo, rgeo)
             if q in rp.notify_only_ranks:
                 assert rd.num_local_descs == 0 and rd.num_remote_descs == 0
+            if rp.mamba is not None and q in rp.mamba.fa_emptied_ranks:
+                assert rd.attn_keys == 0 and rd.mamba_rows > 0  # read for Mamba state only
+                stats["emptied"] = stats.get("emptied", 0) + 1
             assert rd.num_local_descs == len(rd.local_descs())
             assert rd.num_remote_descs == len(rd.remote_descs())
             stats["rows"] += len(rd.local_rows) + len(rd.remote_rows)

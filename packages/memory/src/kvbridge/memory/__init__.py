@@ -28,9 +28,11 @@ Conventions
 Regions (``kvbridge.memory.regions``)
 -------------------------------------
 ``Region``: frozen; ``base_addr, size, device_id, mem_type ("DRAM"|"VRAM"),
-num_blocks, block_stride, element_bytes, element_offsets, roles`` where roles
-are ``(layer, kind)`` pairs (kind 0 = K or MLA latent, 1 = V; ``"conv"``/``"ssm"``
-pieces of Mamba layers are listed in ``mamba_layers``).
+num_blocks (logical), block_stride (bytes between logical blocks),
+element_bytes, element_offsets`` (attention elements within a *kernel* block),
+``roles`` (per element, the ``(layer, kind)`` pairs stored there; kind 0 = K or
+MLA latent, 1 = V; several layers when a tensor is shared) and
+``mamba_layers`` (Mamba layers whose conv + SSM state share the pages).
 
 ``regions_from_kv_caches(kv_caches, spec) -> CacheRegions``: ``kv_caches`` is a
 ``Mapping[str, Tensor | (conv, ssm)]`` or a ``Sequence`` of the same, one entry
@@ -42,6 +44,7 @@ devices, inconsistent block counts or sizes.
 ``num_blocks`` (logical), ``device_id``, ``mem_type``;
 ``registration_descs() -> ndarray[N, 3] uint64`` (adjacent ranges merged),
 ``byte_view(i) -> Tensor`` (uint8 ``[num_blocks, block_stride]`` view of region i).
+``expand_strided(rows)`` (in ``descriptors``) turns N x 5 rows into the N x 3 list.
 
 Geometry (``kvbridge.memory.geometry``)
 ---------------------------------------
@@ -63,22 +66,23 @@ matching local split list, attention rows first then (hybrids) Mamba rows
 (x, B, C, SSM pieces from ``plan.mamba``). Block-size ratios: the side with the
 larger kernel block has ``ratio`` transfer units per element, each its own row.
 
-``RankDescriptors``: ``remote_rank``, ``remote_descs(strided=False)``,
+``RankDescriptors`` (frozen): ``remote_rank``, ``local_rows`` / ``remote_rows``
+(the N x 5 tables), ``remote_descs(strided=False)``,
 ``local_descs(strided=False)``, ``num_remote_descs``, ``num_local_descs``, and
 ``indices(local_ids, remote_ids, *, group="attention"|"mamba",
 local_skip_blocks=None) -> (local_idx, remote_idx)`` (int32 index arrays into
-the two lists). Ids are logical block ids of that group; ``remote_ids`` start
+the two lists; concatenate the pairs of several groups). Ids are logical block ids of that group; ``remote_ids`` start
 at the prompt's first token, ``local_ids`` at block ``local_skip_blocks`` (a
 partial prefix hit: only the uncomputed tail is read; ``None`` = the vLLM
 convention ``len(remote_ids) - len(local_ids)`` for equal block sizes).
 
 Staging and post-processing
 ---------------------------
-``HostStaging.allocate(cache_regions, pin_memory=None)``: host mirrors of device
+``HostStaging.allocate(cache_regions, pin_memory=None)`` (frozen): host mirrors of device
 regions; ``.regions`` (DRAM ``CacheRegions`` to register/describe instead),
 ``.to_host(block_ids)`` before sending, ``.to_device(block_ids)`` after receiving.
 
-``post_process(cache_regions, block_ids, post, spec)``: in-place rearrangement
+``post_process(cache_regions, block_ids, post, spec=None)``: in-place rearrangement
 of received blocks per ``topology.PostProcess`` (HND<->NHD, ``units`` smaller
 remote blocks ``[units, heads, tokens, dim]`` -> ``[heads, units*tokens, dim]``,
 or both). ``block_ids`` are local logical ids.
@@ -91,7 +95,7 @@ sender_tp, sender_rank, receiver_tp, receiver_rank, dim)``;
 receiver_tp, receiver_rank, dim)``.
 """
 
-from .descriptors import RankDescriptors, rank_descriptors
+from .descriptors import RankDescriptors, expand_strided, rank_descriptors
 from .errors import MemoryLayoutError
 from .geometry import RegionGeometry, kernel_spec
 from .payload import merge_heads, slice_heads, split_kv
@@ -106,6 +110,7 @@ __all__ = [
     "RankDescriptors",
     "Region",
     "RegionGeometry",
+    "expand_strided",
     "kernel_spec",
     "merge_heads",
     "post_process",

@@ -31,7 +31,11 @@ _I32_MAX = np.iinfo(np.int32).max
 
 
 def expand_strided(rows: np.ndarray) -> np.ndarray:
-    """``N x 5`` strided rows -> the ``M x 3`` descriptors they stand for, in order."""
+    """``N x 5`` strided rows -> the ``M x 3`` descriptors they stand for, in order.
+
+    Each row is written with a few whole-column numpy operations: the cost is
+    O(rows) Python steps plus one pass over the output memory.
+    """
     rows = np.asarray(rows, dtype=_U64)
     if rows.ndim != 2 or rows.shape[1] != 5:
         raise MemoryLayoutError(f"strided descriptors must be N x 5, got shape {rows.shape}")
@@ -40,24 +44,20 @@ def expand_strided(rows: np.ndarray) -> np.ndarray:
     out = np.empty((total, 3), dtype=_U64)
     if total == 0:
         return out
-    # consecutive rows with the same count expand by broadcasting (the common case)
-    change = np.flatnonzero(np.diff(counts)) + 1
-    bounds = np.concatenate(([0], change, [len(rows)]))
+    # one vectorised write per row and column (long contiguous inner loops); O(rows) Python
     pos = 0
-    for a, b in zip(bounds[:-1], bounds[1:], strict=False):
-        cnt = int(counts[a])
+    steps: dict[tuple[int, int], np.ndarray] = {}
+    for row, cnt in zip(rows, counts.tolist(), strict=True):
         if cnt == 0:
             continue
-        seg = rows[a:b]
-        n = (b - a) * cnt
-        view = out[pos:pos + n]
-        steps = np.arange(cnt, dtype=_U64)
-        addr = view[:, 0].reshape(b - a, cnt)
-        np.multiply(seg[:, 3:4], steps[None, :], out=addr)
-        addr += seg[:, 0:1]
-        view[:, 1].reshape(b - a, cnt)[...] = seg[:, 1:2]
-        view[:, 2].reshape(b - a, cnt)[...] = seg[:, 2:3]
-        pos += n
+        seg = out[pos:pos + cnt]
+        key = (cnt, int(row[3]))
+        if key not in steps:
+            steps[key] = np.arange(cnt, dtype=_U64) * row[3]
+        np.add(steps[key], row[0], out=seg[:, 0])
+        seg[:, 1] = row[1]
+        seg[:, 2] = row[2]
+        pos += cnt
     return out
 
 
@@ -97,6 +97,8 @@ class RankDescriptors:
     mamba_rows: int
     local_pages: int
     remote_pages: int
+    #: whether the engines are hybrid attention + Mamba models
+    has_mamba: bool = False
 
     # ----- the lists -----------------------------------------------------
     def local_descs(self, strided: bool = False) -> np.ndarray:
@@ -181,7 +183,7 @@ class RankDescriptors:
         return _i32(lidx.ravel()), _i32(ridx.ravel())
 
     def _mamba_indices(self, lids: np.ndarray, rids: np.ndarray):
-        if self.mamba_rows == 0 and (len(lids) or len(rids)) and self.local_pages == 0:
+        if not self.has_mamba:
             raise MemoryLayoutError("this engine pair has no Mamba state; use group='attention'")
         _check_range(lids, self.local_pages, "local")
         _check_range(rids, self.remote_pages, "remote")
@@ -327,4 +329,5 @@ def rank_descriptors(
         mamba_rows=mamba_rows,
         local_pages=local.num_blocks,
         remote_pages=remote.num_blocks,
+        has_mamba=plan.mamba is not None,
     )

@@ -1,0 +1,139 @@
+"""Descriptor rows and request indices against straightforward references."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from kvbridge.memory import MemoryLayoutError, RegionGeometry, kernel_spec, rank_descriptors
+from kvbridge.memory.descriptors import expand_strided
+from kvbridge.topology import EngineSpec, HeadOrder, kernel_block_ids, match_units, plan_rank
+
+
+def spec(eid, tp, bs, n=1, order=HeadOrder.HND, K=8, layers=3):
+    return EngineSpec(engine_id=eid, tp_size=tp, num_kv_heads=K, head_dim=4, num_layers=layers,
+                      block_size=bs, kernel_blocks_per_block=n, head_order=order)
+
+
+def geo(s: EngineSpec, nb: int, base: int) -> RegionGeometry:
+    lay_regions = 2 * s.num_layers
+    blen = kernel_spec(s).region_block_bytes * s.kernel_blocks_per_block
+    addrs = [base + i * nb * blen for i in range(lay_regions)]
+    return RegionGeometry.from_remote(s, addrs, nb, blen, device_id=3, mem_type="DRAM")
+
+
+def test_strided_rows_expand_to_the_flat_list_region_major_block_minor():
+    loc, rem = spec("d", 2, 16), spec("p", 8, 16)
+    lg, rg = geo(loc, 50, 1 << 20), geo(rem, 70, 1 << 30)
+    plan = plan_rank(loc, rem, 1)
+    for q in plan.source_ranks:
+        rd = rank_descriptors(plan, q, lg, rg)
+        rows = rd.remote_descs(strided=True)
+        assert rows.shape == (6, 5)  # O(regions): 3 layers x K/V x 1 read
+        flat = rd.remote_descs()
+        assert flat.shape == (6 * 70, 3) and flat.dtype == np.uint64
+        assert (flat == expand_strided(rows)).all()
+        # descriptor i*num_blocks + b is block b of region i
+        i, b = 4, 33
+        assert int(flat[i * 70 + b, 0]) == rg.base_addrs[i] + b * rg.block_strides[i]
+        local = rd.local_descs()
+        read = plan.reads_from(q)[0]
+        assert int(local[i * 50 + b, 0]) == lg.base_addrs[i] + b * lg.block_strides[i] + read.local_offset
+        assert (local[:, 1] == read.length).all() and (local[:, 2] == 3).all()
+
+
+def _reference_indices(rd, lg, rg, plan, q, lids, rids, skip):
+    """Per-unit Python reference built on topology.match_units."""
+    lk = kernel_block_ids(list(lids), lg.kernel_blocks_per_block)
+    rk = kernel_block_ids(list(rids), rg.kernel_blocks_per_block)
+    # local ids start `skip` logical blocks into the prompt: pad with placeholders
+    pad = skip * lg.kernel_blocks_per_block
+    matches = match_units([-1] * pad + lk, rk, lg.kernel_block_tokens, rg.kernel_block_tokens)
+    matches = [m for m in matches if m.local_block >= 0]
+    keys = rd.attn_keys
+    out = set()
+    for key in range(keys):
+        for m in matches:
+            li = (key * rd.local_units + m.local_unit) * lg.num_kernel_blocks + m.local_block
+            ri = (key * rd.remote_units + m.remote_unit) * rg.num_kernel_blocks + m.remote_block
+            out.add((li, ri))
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.sampled_from([(2, 8), (8, 2), (4, 4), (1, 8)]),
+    st.sampled_from([(16, 16), (16, 32), (32, 16), (16, 64)]),
+    st.sampled_from([(1, 1), (2, 1), (1, 2), (2, 2)]),
+    st.integers(1, 200),
+    st.integers(0, 4),
+    st.integers(0, 2**16),
+)
+def test_indices_match_topology_match_units(tps, sizes, kernels, tokens, skip, seed):
+    d_tp, p_tp = tps
+    d_bs, p_bs = sizes
+    loc = spec("d", d_tp, d_bs, kernels[0], order=HeadOrder.NHD if d_bs > p_bs else HeadOrder.HND)
+    rem = spec("p", p_tp, p_bs, kernels[1], order=HeadOrder.NHD if p_bs > d_bs else HeadOrder.HND)
+    try:
+        plan = plan_rank(kernel_spec(loc), kernel_spec(rem), 0)
+    except ValueError:
+        return
+    rng = np.random.default_rng(seed)
+    nl, nr = -(-tokens // d_bs), -(-tokens // p_bs)
+    skip = min(skip, nl)
+    lg, rg = geo(loc, nl + 5, 1 << 20), geo(rem, nr + 5, 1 << 32)
+    lids = rng.permutation(nl + 5)[skip:nl]
+    rids = rng.permutation(nr + 5)[:nr]
+    for q in plan.source_ranks:
+        rd = rank_descriptors(plan, q, lg, rg)
+        li, ri = rd.indices(lids, rids, local_skip_blocks=skip)
+        assert li.dtype == np.int32 and ri.dtype == np.int32
+        got = set(zip(li.tolist(), ri.tolist(), strict=True))
+        assert len(got) == len(li)
+        assert got == _reference_indices(rd, lg, rg, plan, q, lids, rids, skip)
+
+
+def test_consecutive_blocks_give_consecutive_indices():
+    loc, rem = spec("d", 2, 16), spec("p", 2, 16)
+    lg, rg = geo(loc, 100, 1 << 20), geo(rem, 100, 1 << 32)
+    plan = plan_rank(loc, rem, 0)
+    rd = rank_descriptors(plan, 0, lg, rg)
+    li, ri = rd.indices(range(10, 20), range(40, 50))
+    assert (np.diff(li.reshape(6, 10), axis=1) == 1).all()
+    assert (np.diff(ri.reshape(6, 10), axis=1) == 1).all()
+    assert li[0] == 10 and ri[0] == 40 and li[10] == 110
+
+
+def test_prefix_hit_default_follows_the_vllm_convention():
+    loc, rem = spec("d", 2, 16), spec("p", 2, 16)
+    lg, rg = geo(loc, 100, 1 << 20), geo(rem, 100, 1 << 32)
+    rd = rank_descriptors(plan_rank(loc, rem, 0), 0, lg, rg)
+    li, ri = rd.indices([7, 8], [1, 2, 3, 4])  # two blocks already computed locally
+    assert li[:2].tolist() == [7, 8] and ri[:2].tolist() == [3, 4]
+
+
+def test_plan_on_logical_specs_with_kernel_split_is_refused():
+    loc, rem = spec("d", 2, 32, n=2), spec("p", 2, 32, n=2)
+    lg, rg = geo(loc, 10, 1 << 20), geo(rem, 10, 1 << 32)
+    with pytest.raises(MemoryLayoutError, match="kernel_spec"):
+        rank_descriptors(plan_rank(loc, rem, 0), 0, lg, rg)
+    rank_descriptors(plan_rank(kernel_spec(loc), kernel_spec(rem), 0), 0, lg, rg)
+
+
+def test_bad_ids_and_peers_are_refused():
+    loc, rem = spec("d", 2, 16), spec("p", 4, 16)
+    lg, rg = geo(loc, 10, 1 << 20), geo(rem, 10, 1 << 32)
+    plan = plan_rank(loc, rem, 0)
+    with pytest.raises(MemoryLayoutError, match="not a peer"):
+        rank_descriptors(plan, 3, lg, rg)
+    rd = rank_descriptors(plan, 0, lg, rg)
+    with pytest.raises(MemoryLayoutError, match="outside"):
+        rd.indices([10], [0])
+    with pytest.raises(MemoryLayoutError, match="group"):
+        rd.indices([1], [1], group="ssm")
+    with pytest.raises(MemoryLayoutError, match="no Mamba state"):
+        rd.indices([1], [1], group="mamba")
+    other = spec("p", 4, 16, layers=2)
+    with pytest.raises(MemoryLayoutError, match="same KV-cache layout"):
+        rank_descriptors(plan, 0, lg, geo(other, 10, 1 << 32))
