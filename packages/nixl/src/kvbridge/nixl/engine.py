@@ -1,0 +1,930 @@
+"""The transfer engine: one :class:`PrefillEngine` or :class:`DecodeEngine` per TP rank.
+
+Pull mode (default): the decode rank handshakes with the prefill ranks it
+needs, prepares descriptor lists once per (prefill engine, rank), and posts one
+READ per source rank per request, each carrying a completion notification.
+Prefill ranks that hold only duplicate data get a notification without a read.
+The prefill rank counts notifications and releases a request's blocks when
+every assigned decode rank has reported, or when the request's lease lapses.
+
+Push mode: the decode rank announces its blocks (:meth:`DecodeEngine.expect`);
+the prefill rank handshakes with the decode ranks it serves and WRITEs into
+them, notifying each; the decode rank completes when every source rank has
+written.
+
+Threading: each engine has one background worker thread for handshakes
+(side-channel I/O and loading remote agents). Every NIXL call goes through the
+agent's lock, so the worker and the caller's thread never call NIXL at the same
+time. Nothing the caller calls blocks on a peer: :meth:`poll` only looks.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+import zmq
+
+from kvbridge.handshake import (
+    AgentMetadata,
+    EngineFacts,
+    HandshakeError,
+    MetadataServer,
+    compatibility_hash,
+    fetch_metadata,
+    new_incarnation,
+)
+from kvbridge.topology import EngineSpec, RankPlan, TopologyError, TransferPlan, plan_transfer
+
+from .agent import AgentConfig, NixlAgent, NixlError, PreparedList, Transfer
+from .geometry import (
+    CacheGeometry,
+    Side,
+    check_block_ids,
+    local_pieces,
+    remote_pieces,
+    request_indices,
+    strided_descs,
+    unit_pairs,
+)
+from .ledger import DecodeTracker, Failed, FailureKind, PrefillLedger, Released, State
+from .messages import Kind, Notification, encode_notification, new_token, parse_notification
+from .stats import Stats
+
+log = logging.getLogger("kvbridge.nixl")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine knobs (all times in seconds)."""
+
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    mode: str = "pull"
+    lease_s: float = 30.0
+    renew_interval_s: float = 10.0
+    handshake_timeout_s: float = 5.0
+    transfer_timeout_s: float = 60.0
+    allow_strided: bool = True
+    mem_type: str = "DRAM"
+    #: build and post READs on the worker thread, so load() and poll() never wait for NIXL
+    #: (over UCX in host memory NIXL performs the copy inside the post call)
+    post_in_background: bool = True
+    #: model identity and attention backend for the handshake's compatibility hash
+    model: str = "kvbridge-synthetic"
+    attention_backend: str = "kvbridge"
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("pull", "push"):
+            raise ValueError(f"mode must be 'pull' or 'push', got {self.mode!r}")
+        for name in ("lease_s", "renew_interval_s", "handshake_timeout_s", "transfer_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive seconds")
+
+
+@dataclass(frozen=True)
+class TransferParams:
+    """What a prefill engine hands out for one request (through the router to the decode engine)."""
+
+    engine_id: str
+    host: str
+    port: int
+    tp_size: int
+    block_ids: tuple[int, ...]
+    token: str
+    incarnation: str = ""
+
+
+@dataclass(frozen=True)
+class PushTarget:
+    """Push mode: where a prefill engine writes one request (the decode engine's blocks)."""
+
+    engine_id: str
+    host: str
+    port: int
+    tp_size: int
+    block_ids: tuple[int, ...]
+    token: str
+    computed_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class DecodeEvents:
+    done: list[str]
+    failed: list[Failed]
+
+
+def _provisional(spec: EngineSpec, engine_id: str, tp_size: int) -> EngineSpec:
+    """A peer engine of the same model with another TP size (its TP-only facts are exact)."""
+    return replace(spec, engine_id=engine_id, tp_size=tp_size, block_bytes=None)
+
+
+# ---------------------------------------------------------------------------
+# shared machinery
+
+
+@dataclass(eq=False)
+class _Peer:
+    """One remote engine as seen from this rank."""
+
+    engine_id: str
+    host: str
+    port: int
+    tp_size: int
+    incarnation: str = ""
+    state: str = "handshaking"  # -> ready | failed
+    error: str = ""
+    plan: TransferPlan | None = None
+    infos: dict[int, AgentMetadata] = field(default_factory=dict)
+    agents: dict[int, str] = field(default_factory=dict)  # remote rank -> agent name
+    remote_lists: dict[int, PreparedList] = field(default_factory=dict)
+    local_lists: dict[int, PreparedList] = field(default_factory=dict)
+    pieces: dict[int, int] = field(default_factory=dict)  # remote rank -> reads per unit
+    handshake_ms: float = 0.0
+
+
+class HandshakeFailed(HandshakeError):
+    """The peer's metadata does not describe what the request said (TP size, incarnation)."""
+
+
+def engine_compat_hash(spec: EngineSpec, config: EngineConfig) -> str:
+    """The handshake compatibility hash of an engine.
+
+    Cache layouts are not hashed: kvbridge plans transfers between different
+    layouts and the topology planner refuses pairs it cannot serve.
+    """
+    return compatibility_hash(model=config.model, dtype=spec.dtype, cache_dtype=spec.dtype,
+                              layout="kvbridge-planned", attention_backend=config.attention_backend)
+
+
+class _RankEngine:
+    role = "?"
+
+    def __init__(self, spec: EngineSpec, rank: int, geometry: CacheGeometry,
+                 config: EngineConfig | None = None, *, incarnation: str | None = None):
+        if not 0 <= rank < spec.tp_size:
+            raise ValueError(f"rank {rank} is outside TP size {spec.tp_size}")
+        if spec.mamba is not None:
+            raise TopologyError("the NIXL engine does not transfer Mamba hybrid caches yet")
+        if spec.kernel_blocks_per_block != 1:
+            raise TopologyError(
+                f"the NIXL engine addresses whole logical blocks; engine {spec.engine_id!r} splits each "
+                f"into {spec.kernel_blocks_per_block} kernel blocks: describe the cache with "
+                "kernel_blocks_per_block=1 and block_size = the kernel block size"
+            )
+        self.spec, self.rank, self.geometry = spec, rank, geometry
+        self.config = config or EngineConfig()
+        self.incarnation = incarnation or new_incarnation()
+        self.compat_hash = engine_compat_hash(spec, self.config)
+        self.stats = Stats()
+        self.agent = NixlAgent(f"{spec.engine_id}/{self.role}{rank}/{self.incarnation}", self.config.agent)
+        try:
+            self.agent.register(geometry.registration(), self.config.mem_type)
+        except Exception:
+            self.agent.close()
+            raise
+        self.server: MetadataServer | None = None
+        self._own_server = False
+        self._advertised: tuple[str, int] | None = None
+        self._zmq = zmq.Context(io_threads=1)
+        self._peers: dict[str, _Peer] = {}
+        self._jobs: queue.Queue[object] = queue.Queue()
+        self._results: queue.Queue[tuple[_Peer, str | None]] = queue.Queue()
+        self._worker = threading.Thread(target=self._work, name=f"kvbridge-handshake-{rank}", daemon=True)
+        self._worker.start()
+        self._closed = False
+
+    # ----- metadata ---------------------------------------------------------
+    def metadata(self) -> AgentMetadata:
+        """This rank's handshake metadata (NIXL agent metadata and cache geometry)."""
+        g = self.geometry
+        n = len(g.region_bases)
+        return AgentMetadata(
+            engine_id=self.spec.engine_id, incarnation=self.incarnation, rank=self.rank,
+            tp_size=self.spec.tp_size, agent_name=self.agent.name, agent_metadata=self.agent.metadata(),
+            memory_type=self.config.mem_type, device_id=g.device, region_base_addrs=list(g.region_bases),
+            region_sizes=[g.region_bytes] * n, num_blocks=g.num_blocks, block_lens=[g.block_bytes] * n,
+            block_size=self.spec.block_size, kernel_blocks_per_block=self.spec.kernel_blocks_per_block,
+            layout=self.spec.layout.value, head_order=self.spec.head_order.value,
+            attention_backend=self.config.attention_backend, engine=EngineFacts.from_spec(self.spec),
+        )
+
+    def serve(self, server: MetadataServer | None = None, host: str = "127.0.0.1",
+              port: int = 0) -> MetadataServer:
+        """Publish this rank's metadata on ``server`` (shared by an engine's local ranks) or a new one."""
+        if server is None:
+            server = MetadataServer({self.rank: self.metadata()}, compat_hash=self.compat_hash,
+                                    host=host, port=port)
+            self._own_server = True
+        else:
+            if server.compat_hash != self.compat_hash:
+                raise ValueError("the metadata server was created with another compatibility hash")
+            server.set_metadata(self.rank, self.metadata())
+        self.server = server
+        return server
+
+    def advertise(self, host: str, port: int) -> None:
+        """Name the side channel that serves this rank when another process runs it."""
+        self._advertised = (host, int(port))
+
+    @property
+    def address(self) -> tuple[str, int]:
+        """(host, port) of the side channel serving this rank."""
+        if self._advertised is not None:
+            return self._advertised
+        if self.server is None:
+            raise RuntimeError("this rank is not served yet: call serve() or advertise() first")
+        return self.server.host, self.server.port
+
+    # ----- handshakes (worker thread) ----------------------------------------
+    def _peer_sides(self, peer: _Peer, q: int, plan: TransferPlan) -> tuple[Side, Side, list, list]:
+        """(my side, peer side, my pieces, peer pieces) for remote rank ``q``."""
+        raise NotImplementedError
+
+    def _peer_ranks(self, peer: _Peer, plan: TransferPlan) -> tuple[list[int], list[int]]:
+        """(ranks to handshake with, ranks that get lists prepared)."""
+        raise NotImplementedError
+
+    def _plan_for(self, peer_spec: EngineSpec) -> TransferPlan:
+        raise NotImplementedError
+
+    def _run_job(self, job: object) -> None:
+        raise NotImplementedError
+
+    def _work(self) -> None:
+        while True:
+            peer = self._jobs.get()
+            if peer is None:
+                return
+            if not isinstance(peer, _Peer):
+                self._run_job(peer)
+                continue
+            t0 = time.perf_counter()
+            try:
+                self._handshake(peer)
+                err = None
+            except (HandshakeError, NixlError, TopologyError, ValueError) as exc:
+                err = str(exc)
+            except Exception as exc:  # never let the worker die on a peer's input
+                err = f"{type(exc).__name__}: {exc}"
+            peer.handshake_ms = (time.perf_counter() - t0) * 1e3
+            self._results.put((peer, err))
+
+    def _handshake(self, peer: _Peer) -> None:
+        timeout = self.config.handshake_timeout_s
+        guess = self._plan_for(_provisional(self.spec, peer.engine_id, peer.tp_size))
+        ranks, _ = self._peer_ranks(peer, guess)
+        infos = fetch_metadata(peer.host, peer.port, ranks, engine_id=peer.engine_id,
+                               compat_hash=self.compat_hash, timeout=timeout / 2, retries=1,
+                               context=self._zmq)
+        first = infos[ranks[0]]
+        if first.tp_size != peer.tp_size:
+            raise HandshakeFailed(
+                f"engine {peer.engine_id!r} says TP {first.tp_size}, the request said {peer.tp_size}"
+            )
+        if first.memory_type != self.config.mem_type:
+            raise HandshakeFailed(
+                f"engine {peer.engine_id!r} registered {first.memory_type} memory, this rank "
+                f"{self.config.mem_type}; configure both engines with the same memory type"
+            )
+        plan = self._plan_for(first.spec())
+        if list(self._peer_ranks(peer, plan)[0]) != list(ranks):  # pragma: no cover - same TP/heads
+            raise HandshakeFailed("the peer's engine changes which ranks to handshake with")
+        _, listed = self._peer_ranks(peer, plan)
+        if peer.incarnation and first.incarnation != peer.incarnation:
+            raise HandshakeFailed(
+                f"engine {peer.engine_id!r} is incarnation {first.incarnation}, the request was "
+                f"issued by {peer.incarnation}: it restarted after issuing the request"
+            )
+        peer.incarnation = first.incarnation
+        peer.plan, peer.infos = plan, infos
+        for q in ranks:
+            peer.agents[q] = self.agent.add_remote(infos[q].agent_metadata)
+            self.agent.connect(peer.agents[q])
+        for q in listed:
+            mine, theirs, my_pieces, their_pieces = self._peer_sides(peer, q, plan)
+            peer.local_lists[q] = self.agent.prepare(
+                None, strided_descs(mine, my_pieces), self.config.mem_type, self.config.allow_strided)
+            peer.remote_lists[q] = self.agent.prepare(
+                peer.agents[q], strided_descs(theirs, their_pieces), self.config.mem_type,
+                self.config.allow_strided)
+            peer.pieces[q] = len(my_pieces)
+
+    def _remote_geometry(self, peer: _Peer, q: int) -> CacheGeometry:
+        inf = peer.infos[q]
+        lay = peer.plan.prefill_layout if self.role == "d" else peer.plan.decode_layout
+        if len(inf.region_base_addrs) != lay.regions:
+            raise HandshakeFailed(
+                f"engine {peer.engine_id!r} rank {q} registered {len(inf.region_base_addrs)} regions, "
+                f"its engine description implies {lay.regions}"
+            )
+        if len(set(inf.block_lens)) != 1 or inf.block_lens[0] != lay.region_block_bytes:
+            raise HandshakeFailed(
+                f"engine {peer.engine_id!r} rank {q} has block lengths {sorted(set(inf.block_lens))}, "
+                f"its engine description implies {lay.region_block_bytes} bytes"
+            )
+        return CacheGeometry(tuple(inf.region_base_addrs), inf.num_blocks, inf.block_lens[0],
+                             lay.element_offsets, lay.element_bytes, inf.device_id)
+
+    def _drop_peer(self, peer: _Peer, stale: bool = True) -> None:
+        """Forget a peer engine: its lists, transfers and agents."""
+        if self._peers.get(peer.engine_id) is peer:
+            del self._peers[peer.engine_id]
+        for name in peer.agents.values():
+            self.agent.remove_remote(name)
+        for lst in peer.local_lists.values():
+            self.agent.release_list(lst)
+        peer.local_lists.clear()
+        peer.remote_lists.clear()
+        peer.agents.clear()
+        peer.state = "failed"
+        if stale:
+            self.stats.stale_agents_dropped += 1
+
+    def _start_handshake(self, engine_id: str, host: str, port: int, tp_size: int,
+                         incarnation: str) -> _Peer:
+        peer = _Peer(engine_id, host, port, tp_size, incarnation)
+        self._peers[engine_id] = peer
+        self._jobs.put(peer)
+        return peer
+
+    def _peer_for(self, engine_id: str, host: str, port: int, tp_size: int, incarnation: str) -> _Peer:
+        """The known peer, or a new handshake when unknown, moved, resized or restarted."""
+        peer = self._peers.get(engine_id)
+        if peer is not None and (
+            (peer.host, peer.port, peer.tp_size) != (host, port, tp_size)
+            or (incarnation and peer.incarnation and incarnation != peer.incarnation)
+        ):
+            if peer.state == "ready":
+                log.info("engine %s changed (restart or move): handshaking again", engine_id)
+                self._drop_peer(peer)
+            peer = None
+        if peer is None or peer.state == "failed":
+            peer = self._start_handshake(engine_id, host, port, tp_size, incarnation)
+        return peer
+
+    def _drain_handshakes(self) -> list[tuple[_Peer, str | None]]:
+        out = []
+        while True:
+            try:
+                peer, err = self._results.get_nowait()
+            except queue.Empty:
+                return out
+            if self._peers.get(peer.engine_id) is not peer:  # superseded meanwhile
+                for name in peer.agents.values():
+                    self.agent.remove_remote(name)
+                continue
+            self.stats.handshakes += 1
+            self.stats.handshake_ms += peer.handshake_ms
+            if err is None:
+                peer.state = "ready"
+            else:
+                log.warning("handshake with engine %s failed: %s", peer.engine_id, err)
+                peer.error = err
+                self._drop_peer(peer, stale=False)
+            out.append((peer, err))
+
+    def wait_idle_handshakes(self, timeout_s: float) -> None:
+        """Poll until no handshake is running (for tests and benchmarks)."""
+        deadline = time.monotonic() + timeout_s
+        while any(p.state == "handshaking" for p in self._peers.values()):
+            if time.monotonic() > deadline:
+                raise TimeoutError("handshakes still running")
+            time.sleep(0.001)
+            self._poll_handshakes()
+
+    def _poll_handshakes(self) -> None:
+        raise NotImplementedError
+
+    def resource_counts(self) -> dict[str, int]:
+        c = self.agent.counts()
+        c["peers"] = len(self._peers)
+        return c
+
+    # ----- teardown ---------------------------------------------------------
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._jobs.put(None)
+        self._worker.join(timeout=self.config.handshake_timeout_s * 4 + 1)
+        for peer in list(self._peers.values()):
+            self._drop_peer(peer, stale=False)
+        if self._own_server and self.server is not None:
+            self.server.close()
+        self._zmq.term()
+        self.agent.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# ---------------------------------------------------------------------------
+# decode side
+
+
+@dataclass(eq=False)
+class _Load:
+    request_id: str
+    peer: _Peer
+    params: TransferParams | None
+    local_ids: np.ndarray
+    computed_tokens: int
+    token: str
+    transfers: dict[int, Transfer] = field(default_factory=dict)
+    last_renew: float = 0.0
+    expect_from: tuple[int, ...] = ()
+
+
+class DecodeEngine(_RankEngine):
+    """One decode rank: loads requests' blocks from prefill engines (pull) or receives them (push)."""
+
+    role = "d"
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.tracker = DecodeTracker(self.stats)
+        self._loads: dict[str, _Load] = {}
+        self._push_waiting: dict[str, set[int]] = {}
+        self._posted: queue.Queue[tuple[_Load, dict[int, Transfer], str | None, float]] = queue.Queue()
+        self._orphans: list[Transfer] = []
+
+    # planning hooks
+    def _plan_for(self, peer_spec: EngineSpec) -> TransferPlan:
+        return plan_transfer(peer_spec, self.spec)
+
+    def _rank_plan(self, plan: TransferPlan) -> RankPlan:
+        return plan.decode_ranks[self.rank]
+
+    def _peer_ranks(self, peer: _Peer, plan: TransferPlan) -> tuple[list[int], list[int]]:
+        rp = self._rank_plan(plan)
+        return list(rp.handshake_ranks), list(rp.source_ranks)
+
+    def _peer_sides(self, peer, q, plan):
+        rp = self._rank_plan(plan)
+        reads = rp.reads_from(q)
+        mine = Side(self.geometry, self.spec.block_size // rp.unit_tokens, rp.local_unit_bytes)
+        theirs = Side(self._remote_geometry(peer, q), plan.prefill.block_size // rp.unit_tokens,
+                      rp.remote_unit_bytes)
+        return mine, theirs, local_pieces(reads), remote_pieces(reads)
+
+    # ----- public API -------------------------------------------------------
+    def load(self, request_id: str, params: TransferParams, local_block_ids: Sequence[int],
+             computed_tokens: int = 0) -> None:
+        """Start loading a request's blocks (pull mode). Never blocks on the peer.
+
+        ``local_block_ids`` are this engine's blocks for the tokens from
+        ``computed_tokens`` on (tokens already present locally: a prefix hit);
+        ``params.block_ids`` are the prefill engine's blocks for all tokens.
+        """
+        if self.config.mode != "pull":
+            raise ValueError("load() is the pull-mode entry point; this engine is in push mode (use expect())")
+        lids = np.asarray(local_block_ids, dtype=np.int64).reshape(-1)
+        check_block_ids(lids, self.geometry.num_blocks, "local")
+        if computed_tokens < 0:
+            raise ValueError("computed_tokens cannot be negative")
+        peer = self._peer_for(params.engine_id, params.host, params.port, params.tp_size,
+                              params.incarnation)
+        now = time.monotonic()
+        self.tracker.add(request_id, params.engine_id, lids.tolist(), now + self.config.transfer_timeout_s,
+                         ready=peer.state == "ready")
+        self._loads[request_id] = _Load(request_id, peer, params, lids, computed_tokens, params.token,
+                                        last_renew=now)
+        if peer.state == "ready":
+            self._post(self._loads[request_id])
+
+    def expect(self, request_id: str, prefill_engine_id: str, prefill_tp: int, token: str,
+               local_block_ids: Sequence[int]) -> None:
+        """Push mode: wait for the prefill ranks that write this rank's share of a request."""
+        if self.config.mode != "push":
+            raise ValueError("expect() is the push-mode entry point; this engine is in pull mode")
+        lids = np.asarray(local_block_ids, dtype=np.int64).reshape(-1)
+        check_block_ids(lids, self.geometry.num_blocks, "local")
+        plan = self._plan_for(_provisional(self.spec, prefill_engine_id, prefill_tp))
+        sources = tuple(self._rank_plan(plan).source_ranks) if lids.size else ()
+        now = time.monotonic()
+        t = self.tracker.add(request_id, prefill_engine_id, lids.tolist(),
+                             now + self.config.transfer_timeout_s, ready=True)
+        self.tracker.posted(t.request_id, sources)
+        self._push_waiting[request_id] = set(sources)
+        self._loads[request_id] = _Load(request_id, _Peer(prefill_engine_id, "", 0, prefill_tp), None,
+                                        lids, 0, token, expect_from=sources)
+
+    def poll(self) -> DecodeEvents:
+        """Advance handshakes, transfers, timeouts and lease renewals; return finished requests.
+
+        Never waits: while the worker thread is inside a NIXL call, this round is skipped.
+        """
+        if self.agent.try_lock():
+            try:
+                self._poll_handshakes()
+                if self.config.mode == "pull":
+                    self._drain_posted()
+                    self._poll_transfers()
+                else:
+                    self._poll_push()
+                now = time.monotonic()
+                for t in self.tracker.overdue(now):
+                    self._fail(t.request_id, FailureKind.TIMEOUT,
+                               f"not complete within {self.config.transfer_timeout_s:.1f} s")
+                if self.config.mode == "pull":
+                    self._renew(now)
+            finally:
+                self.agent.unlock()
+        return DecodeEvents(self.tracker.take_done(), self.tracker.take_failed())
+
+    @property
+    def pending(self) -> int:
+        return len(self.tracker)
+
+    # ----- internals --------------------------------------------------------
+    def _poll_handshakes(self) -> None:
+        for peer, err in self._drain_handshakes():
+            if err is None:
+                for t in self.tracker.handshake_done(peer.engine_id):
+                    ld = self._loads[t.request_id]
+                    ld.peer = peer  # it may have waited on a handshake this one superseded
+                    self._post(ld)
+            else:
+                for f in self.tracker.handshake_failed(peer.engine_id, err):
+                    self._loads.pop(f.request_id, None)
+
+    def _notify(self, peer: _Peer, q: int, ld: _Load, kind: Kind) -> None:
+        msg = encode_notification(Notification(kind, ld.request_id, self.spec.tp_size, self.rank, ld.token))
+        self.agent.notify(peer.agents[q], msg)
+        self.stats.notifications_sent += 1
+
+    def _post(self, ld: _Load) -> None:
+        """Build and post the READs of a request whose peer is ready (on the worker thread by default)."""
+        if self.config.post_in_background:
+            self._jobs.put(ld)
+        else:
+            self._run_job(ld)
+            self._drain_posted()
+
+    def _run_job(self, ld: object) -> None:
+        if not isinstance(ld, _Load):
+            return
+        t0 = time.perf_counter()
+        parts: dict[int, Transfer] = {}
+        prep = 0.0
+        try:
+            prep = self._build(ld, parts)
+            peer = ld.peer
+            for q, x in parts.items():
+                if self.agent.post(x) == "ERR":
+                    raise NixlError(f"posting the READ from engine {peer.engine_id!r} rank {q} failed")
+            rp = self._rank_plan(peer.plan)
+            for q in (rp.notify_only_ranks if parts else rp.handshake_ranks):
+                self._notify(peer, q, ld, Kind.DONE)
+            err = None
+        except NixlError as exc:  # the peer may be dead or restarted
+            err = f"NIXL: {exc}"
+        except (ValueError, KeyError) as exc:
+            err = str(exc) or type(exc).__name__
+        except Exception as exc:  # the worker must survive anything
+            err = f"{type(exc).__name__}: {exc}"
+        self._posted.put((ld, parts, err, prep if prep else (time.perf_counter() - t0) * 1e6))
+
+    def _build(self, ld: _Load, parts: dict[int, Transfer]) -> float:
+        """Make one READ per source rank (not posted); returns the microseconds it took."""
+        t0 = time.perf_counter()
+        peer = ld.peer
+        plan = peer.plan
+        rp = self._rank_plan(plan)
+        lu = self.spec.block_size // rp.unit_tokens
+        ru = plan.prefill.block_size // rp.unit_tokens
+        skip = ld.computed_tokens // rp.unit_tokens
+        rids = np.asarray(ld.params.block_ids, dtype=np.int64)
+        lb, lun, rb, run = unit_pairs(ld.local_ids, rids, lu, ru, skip)
+        if lb.size == 0:  # full prefix hit (or nothing to read): notify every rank instead
+            return (time.perf_counter() - t0) * 1e6
+        msg = encode_notification(Notification(Kind.DONE, ld.request_id, self.spec.tp_size, self.rank,
+                                               ld.token))
+        li_cache: dict[int, np.ndarray] = {}
+        for q in rp.source_ranks:
+            check_block_ids(rb, peer.infos[q].num_blocks, f"engine {peer.engine_id!r} rank {q}")
+            k = peer.pieces[q]
+            li = li_cache.get(k)
+            if li is None:
+                li = li_cache[k] = request_indices(lb, lun, self.geometry.roles, lu, k,
+                                                   self.geometry.num_blocks)
+            ri = request_indices(rb, run, self._remote_geometry(peer, q).roles, ru, k,
+                                 peer.infos[q].num_blocks)
+            parts[q] = self.agent.make_transfer("READ", peer.local_lists[q], li, peer.remote_lists[q], ri,
+                                                msg)
+        return (time.perf_counter() - t0) * 1e6
+
+    def _drain_posted(self) -> None:
+        """Apply the worker's posting results (caller thread)."""
+        for x in list(self._orphans):
+            if self.agent.release_transfer(x):
+                self._orphans.remove(x)
+        while True:
+            try:
+                ld, parts, err, prep_us = self._posted.get_nowait()
+            except queue.Empty:
+                return
+            rid = ld.request_id
+            if self._loads.get(rid) is not ld:  # failed or timed out meanwhile
+                self._orphans.extend(x for x in parts.values() if not self.agent.release_transfer(x))
+                continue
+            self.stats.prep_us += int(prep_us)
+            self.stats.posts += 1
+            ld.transfers.update(parts)
+            if err is not None:
+                self._fail(rid, FailureKind.POST, err)
+                if err.startswith("NIXL: ") and ld.peer.state == "ready":
+                    # posting to this engine failed in NIXL: handshake again next time
+                    for other, ol in list(self._loads.items()):
+                        if ol.peer is ld.peer and not ol.transfers:
+                            self._fail(other, FailureKind.POST, err)
+                    self._drop_peer(ld.peer)
+                continue
+            self.tracker.posted(rid, list(parts))
+            if not parts:
+                self._loads.pop(rid, None)
+
+    def _release_load(self, ld: _Load) -> None:
+        for x in ld.transfers.values():
+            if not self.agent.release_transfer(x):
+                log.warning("NIXL refused to release an active transfer of %s", ld.request_id)
+        ld.transfers.clear()
+
+    def _fail(self, rid: str, kind: FailureKind, message: str) -> None:
+        ld = self._loads.pop(rid, None)
+        if ld is not None:
+            self._release_load(ld)
+            self._push_waiting.pop(rid, None)
+        if rid in self.tracker:
+            self.tracker.fail(rid, kind, message)
+
+    def _poll_transfers(self) -> None:
+        broken: list[_Peer] = []
+        for rid, ld in list(self._loads.items()):
+            t = self.tracker.get(rid)
+            if t is None or t.state is not State.POSTED:
+                continue
+            for q, x in list(ld.transfers.items()):
+                st = self.agent.state(x)
+                if st == "PROC":
+                    continue
+                if st == "DONE":
+                    tel = self.agent.telemetry(x)
+                    if tel is not None:
+                        self.stats.bytes += tel.bytes
+                        self.stats.descriptors += tel.descriptors
+                        self.stats.post_us += tel.post_us
+                        self.stats.xfer_us += tel.xfer_us
+                    self.stats.transfers += 1
+                    self.agent.release_transfer(x)
+                    del ld.transfers[q]
+                    if self.tracker.part_done(rid, q):
+                        self._loads.pop(rid, None)
+                else:
+                    self._fail(rid, FailureKind.TRANSFER,
+                               f"READ from engine {ld.peer.engine_id!r} rank {q} ended in error")
+                    if ld.peer not in broken:
+                        broken.append(ld.peer)
+                    break
+        for peer in broken:  # a failing peer is presumed restarted or dead: handshake again next time
+            for rid, ld in list(self._loads.items()):
+                if ld.peer is peer:
+                    self._fail(rid, FailureKind.TRANSFER, f"engine {peer.engine_id!r} failed a transfer")
+            self._drop_peer(peer)
+
+    def _renew(self, now: float) -> None:
+        every = self.config.renew_interval_s
+        for ld in self._loads.values():
+            if now - ld.last_renew < every or ld.peer.state != "ready":
+                continue
+            ld.last_renew = now
+            for q in self._rank_plan(ld.peer.plan).handshake_ranks:
+                try:
+                    self._notify(ld.peer, q, ld, Kind.RENEW)
+                    self.stats.leases_renewed += 1
+                except NixlError:
+                    pass
+
+    def _poll_push(self) -> None:
+        for _sender, raw in self._iter_notifs():
+            n = parse_notification(raw)
+            self.stats.notifications_received += 1
+            if n is None or n.kind is not Kind.WRITTEN:
+                self.stats.notifications_malformed += 1
+                continue
+            ld = self._loads.get(n.request_id)
+            if ld is None:
+                self.stats.notifications_unknown += 1
+                continue
+            if n.token != ld.token:
+                self.stats.notifications_bad_token += 1
+                continue
+            # in WRITTEN messages the rank/TP fields name the prefill rank and TP
+            if n.decode_tp != ld.peer.tp_size or n.decode_rank not in ld.expect_from:
+                self.stats.notifications_malformed += 1
+                continue
+            if self.tracker.part_done(n.request_id, n.decode_rank):
+                self._loads.pop(n.request_id, None)
+                self._push_waiting.pop(n.request_id, None)
+
+    def _iter_notifs(self):
+        for sender, msgs in self.agent.notifications().items():
+            for m in msgs:
+                yield sender, m
+
+
+# ---------------------------------------------------------------------------
+# prefill side
+
+
+@dataclass(eq=False)
+class _Push:
+    request_id: str
+    peer: _Peer
+    target: PushTarget
+    block_ids: np.ndarray
+    transfers: dict[int, Transfer] = field(default_factory=dict)
+    deadline: float = 0.0
+
+
+class PrefillEngine(_RankEngine):
+    """One prefill rank: holds requests' blocks until the decode side has them."""
+
+    role = "p"
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.ledger = PrefillLedger(self._expected_for, self.config.lease_s, self.stats)
+        self._pushes: dict[str, _Push] = {}
+        self._push_queue: list[_Push] = []
+        self._push_released: list[Released] = []
+
+    def _expected_for(self, decode_tp: int) -> int:
+        plan = plan_transfer(self.spec, _provisional(self.spec, self.spec.engine_id + "#decode", decode_tp))
+        return plan.prefill_ranks[self.rank].notifications_per_request
+
+    # push-mode planning hooks: the peer is a decode engine
+    def _plan_for(self, peer_spec: EngineSpec) -> TransferPlan:
+        return plan_transfer(self.spec, peer_spec)
+
+    def _peer_ranks(self, peer: _Peer, plan: TransferPlan) -> tuple[list[int], list[int]]:
+        read_by = list(plan.prefill_ranks[self.rank].read_by)
+        return read_by, read_by
+
+    def _peer_sides(self, peer, r, plan):
+        rp = plan.decode_ranks[r]
+        reads = rp.reads_from(self.rank)
+        mine = Side(self.geometry, self.spec.block_size // rp.unit_tokens, rp.remote_unit_bytes)
+        theirs = Side(self._remote_geometry(peer, r), plan.decode.block_size // rp.unit_tokens,
+                      rp.local_unit_bytes)
+        return mine, theirs, remote_pieces(reads), local_pieces(reads)
+
+    # ----- public API -------------------------------------------------------
+    def hold(self, request_id: str, block_ids: Sequence[int], token: str | None = None) -> TransferParams:
+        """Hold a request's blocks under a lease; returns the parameters for the decode side.
+
+        All ranks of one engine must hold a request with the same token: pass
+        rank 0's token to the others (or one from :func:`new_token`).
+        """
+        ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
+        check_block_ids(ids, self.geometry.num_blocks, "prefill")
+        token = token or new_token()
+        if self.config.mode == "pull":
+            self.ledger.hold(request_id, ids.tolist(), token, time.monotonic())
+        host, port = self.address
+        return TransferParams(self.spec.engine_id, host, port, self.spec.tp_size, tuple(ids.tolist()),
+                              token, self.incarnation)
+
+    def push(self, request_id: str, block_ids: Sequence[int], target: PushTarget) -> None:
+        """Push mode: write a request's blocks into the decode engine ``target``."""
+        if self.config.mode != "push":
+            raise ValueError("push() needs an engine configured with mode='push'")
+        ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
+        check_block_ids(ids, self.geometry.num_blocks, "prefill")
+        peer = self._peer_for(target.engine_id, target.host, target.port, target.tp_size, "")
+        p = _Push(request_id, peer, target, ids, deadline=time.monotonic() + self.config.transfer_timeout_s)
+        self._pushes[request_id] = p
+        if peer.state == "ready":
+            self._post_push(p)
+        else:
+            self._push_queue.append(p)
+
+    def poll(self) -> list[Released]:
+        """Count notifications, expire leases, advance pushes; returns requests whose blocks are free."""
+        self._poll_handshakes()
+        now = time.monotonic()
+        for sender, msgs in self.agent.notifications().items():
+            for raw in msgs:
+                outcome = self.ledger.on_notification(parse_notification(raw), now)
+                if outcome in ("unknown", "bad-token", "malformed", "bad-decode-tp"):
+                    log.debug("ignored notification from %s: %s", sender, outcome)
+        for rid in self.ledger.expire(now):
+            log.warning("request %s: lease of %.1f s lapsed before every decode rank read it; "
+                        "releasing its blocks", rid, self.config.lease_s)
+        if self.config.mode == "push":
+            self._poll_pushes(now)
+        out = self.ledger.take_released() + self._push_released
+        self._push_released = []
+        return out
+
+    @property
+    def held(self) -> int:
+        return len(self.ledger) + len(self._pushes)
+
+    # ----- push internals ----------------------------------------------------
+    def _poll_handshakes(self) -> None:
+        for peer, err in self._drain_handshakes():
+            waiting = [p for p in self._push_queue if p.peer is peer]
+            self._push_queue = [p for p in self._push_queue if p.peer is not peer]
+            for p in waiting:
+                if err is None:
+                    self._post_push(p)
+                else:
+                    self._finish_push(p, f"handshake failed: {err}", FailureKind.HANDSHAKE)
+
+    def _post_push(self, p: _Push) -> None:
+        peer, plan = p.peer, p.peer.plan
+        try:
+            for r in plan.prefill_ranks[self.rank].read_by:
+                rp = plan.decode_ranks[r]
+                mu = self.spec.block_size // rp.unit_tokens
+                tu = plan.decode.block_size // rp.unit_tokens
+                skip = p.target.computed_tokens // rp.unit_tokens
+                tb, tun, mb, mun = unit_pairs(np.asarray(p.target.block_ids, dtype=np.int64), p.block_ids,
+                                              tu, mu, skip)
+                check_block_ids(tb, peer.infos[r].num_blocks, f"decode engine {peer.engine_id!r} rank {r}")
+                k = peer.pieces[r]
+                mi = request_indices(mb, mun, self.geometry.roles, mu, k, self.geometry.num_blocks)
+                ti = request_indices(tb, tun, self._remote_geometry(peer, r).roles, tu, k,
+                                     peer.infos[r].num_blocks)
+                msg = encode_notification(Notification(Kind.WRITTEN, p.request_id, self.spec.tp_size,
+                                                       self.rank, p.target.token))
+                if mb.size == 0:
+                    self.agent.notify(peer.agents[r], msg)
+                    continue
+                x = self.agent.make_transfer("WRITE", peer.local_lists[r], mi, peer.remote_lists[r], ti, msg)
+                p.transfers[r] = x
+                if self.agent.post(x) == "ERR":
+                    raise NixlError(f"posting the WRITE to engine {peer.engine_id!r} rank {r} failed")
+            if not p.transfers:
+                self._finish_push(p, None)
+        except (NixlError, ValueError) as exc:
+            self._finish_push(p, str(exc), FailureKind.POST)
+
+    def _finish_push(self, p: _Push, error: str | None, kind: FailureKind | None = None) -> None:
+        for x in p.transfers.values():
+            self.agent.release_transfer(x)
+        p.transfers.clear()
+        self._pushes.pop(p.request_id, None)
+        if error is None:
+            self.stats.requests_done += 1
+            reason = "written"
+        else:
+            log.warning("push of %s failed: %s", p.request_id, error)
+            self.stats.fail((kind or FailureKind.TRANSFER).value)
+            reason = "push-failed"
+        self.stats.requests_released += 1
+        self._push_released.append(Released(p.request_id, tuple(p.block_ids.tolist()), reason))
+
+    def _poll_pushes(self, now: float) -> None:
+        broken = []
+        for p in list(self._pushes.values()):
+            if p in self._push_queue:
+                if now >= p.deadline:
+                    self._push_queue.remove(p)
+                    self._finish_push(p, "timed out waiting for the handshake", FailureKind.TIMEOUT)
+                continue
+            for r, x in list(p.transfers.items()):
+                st = self.agent.state(x)
+                if st == "PROC":
+                    continue
+                if st == "DONE":
+                    tel = self.agent.telemetry(x)
+                    if tel is not None:
+                        self.stats.bytes += tel.bytes
+                        self.stats.descriptors += tel.descriptors
+                        self.stats.post_us += tel.post_us
+                        self.stats.xfer_us += tel.xfer_us
+                    self.stats.transfers += 1
+                    self.agent.release_transfer(x)
+                    del p.transfers[r]
+                else:
+                    self._finish_push(p, f"WRITE to rank {r} ended in error", FailureKind.TRANSFER)
+                    broken.append(p.peer)
+                    break
+            else:
+                if not p.transfers:
+                    self._finish_push(p, None)
+                elif now >= p.deadline:
+                    self._finish_push(p, "WRITE timed out", FailureKind.TIMEOUT)
+        for peer in broken:
+            if peer.state == "ready":
+                self._drop_peer(peer)

@@ -1,0 +1,492 @@
+"""Run a prefill engine and a decode engine as real processes on this machine.
+
+Each engine runs in one or more spawned processes (``ranks_per_process``
+ranks each, one NIXL agent per rank) over synthetic host-memory caches; the
+process holding rank 0 serves the engine's metadata on 127.0.0.1. The parent
+drives requests over pipes (trusted, local) and collects per-rank results:
+decode ranks verify every received byte against the expected shard.
+
+Used by ``kvbridge demo``, ``kvbridge bench`` and the multi-process tests.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+import traceback
+from dataclasses import dataclass, field, replace
+from multiprocessing.connection import Connection, wait
+
+from kvbridge.topology import EngineSpec, plan_transfer
+
+from .engine import EngineConfig, PushTarget, TransferParams
+
+_CTX = mp.get_context("spawn")
+
+
+class HarnessError(RuntimeError):
+    """A harness process failed or did not answer in time."""
+
+
+# ---------------------------------------------------------------------------
+# child process
+
+
+def _child(conn: Connection, role: str, spec: EngineSpec, ranks: list[int], num_blocks: int,
+           config: EngineConfig, incarnation: str, serve_first: bool) -> None:
+    import logging
+
+    logging.basicConfig(level=os.environ.get("KVBRIDGE_LOG", "WARNING"))
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL logs INFO lines to stdout otherwise
+    try:
+        _child_loop(conn, role, spec, ranks, num_blocks, config, incarnation, serve_first)
+    except Exception:
+        try:
+            conn.send(("crash", traceback.format_exc()))
+        except Exception:  # noqa: S110 - parent gone
+            pass
+
+
+def _child_loop(conn, role, spec, ranks, num_blocks, config, incarnation, serve_first) -> None:
+    import torch
+
+    from .engine import DecodeEngine, PrefillEngine
+    from .synthetic import SyntheticCache, logical_kv, post_process_units
+
+    torch.set_num_threads(1)
+    caches = {r: SyntheticCache.allocate(spec, r, num_blocks) for r in ranks}
+    cls = PrefillEngine if role == "p" else DecodeEngine
+    engines = {r: cls(spec, r, caches[r].geometry(), config, incarnation=incarnation) for r in ranks}
+    server = None
+    if serve_first:
+        first = engines[ranks[0]]
+        server = first.serve()
+        for r in ranks[1:]:
+            engines[r].serve(server)
+        conn.send(("ready", server.host, server.port, None))
+    else:
+        conn.send(("ready", None, None, {r: e.metadata() for r, e in engines.items()}))
+    # decode: rid -> (seed, ntok, first token, local ids, prefill spec)
+    pending: dict[str, tuple] = {}
+    to_verify: list[tuple[int, str]] = []
+    loaded_at: dict[str, float] = {}
+    call_us: dict[tuple[int, str], float] = {}
+    verify_now = False
+    last_cmd = time.monotonic()
+    running = True
+    while running:
+        busy = to_verify or any(len(e.tracker) if role == "d" else e.held for e in engines.values())
+        # wait in select() (GIL released) rather than spin: the engine worker thread needs the GIL
+        while conn.poll(0.0002 if busy else 0.002):
+            cmd, arg = conn.recv()
+            last_cmd = time.monotonic()
+            if cmd == "close":
+                running = False
+                break
+            if cmd == "verify":  # fire and forget: check what has arrived as soon as idle
+                verify_now = True
+                continue
+            if cmd == "publish":  # other processes' ranks, served by this process
+                for md in arg:
+                    server.set_metadata(md.rank, md)
+                conn.send(("ok", None))
+            elif cmd == "advertise":
+                for e in engines.values():
+                    e.advertise(*arg)
+                conn.send(("ok", None))
+            elif cmd == "fill":
+                seed, ntok, block_ids = arg
+                kv = logical_kv(spec, seed, ntok)
+                for r in ranks:
+                    caches[r].fill(kv, block_ids)
+                conn.send(("ok", None))
+            elif cmd == "hold":
+                rid, block_ids, token = arg
+                for r in ranks:
+                    engines[r].hold(rid, block_ids, token)
+                conn.send(("ok", None))
+            elif cmd == "push":
+                rid, block_ids, target = arg
+                for r in ranks:
+                    engines[r].push(rid, block_ids, target)
+                conn.send(("ok", None))
+            elif cmd in ("load", "expect"):
+                rid, params, local_ids, computed, seed, ntok, pspec, verify = arg
+                for r in ranks:
+                    caches[r].clear(local_ids)
+                loaded_at[rid] = time.monotonic()
+                for r in ranks:
+                    if cmd == "load":
+                        t_call = time.perf_counter()
+                        engines[r].load(rid, params, local_ids, computed)
+                        call_us[(r, rid)] = (time.perf_counter() - t_call) * 1e6
+                    else:
+                        engines[r].expect(rid, params.engine_id, params.tp_size, params.token, local_ids)
+                pending[rid] = (seed, ntok, computed, list(local_ids), pspec, verify)
+                conn.send(("ok", None))
+            elif cmd == "stats":
+                conn.send(("stats", {r: (e.stats, e.resource_counts()) for r, e in engines.items()}))
+            else:
+                conn.send(("error", f"unknown command {cmd!r}"))
+        if not running:
+            break
+        for r, e in engines.items():
+            if role == "p":
+                for rel in e.poll():
+                    conn.send(("released", (r, rel.request_id, rel.reason)))
+            else:
+                ev = e.poll()
+                t_done = time.monotonic()
+                for rid in ev.done:
+                    conn.send(("done", (r, rid, t_done, loaded_at.get(rid, t_done),
+                                        call_us.pop((r, rid), 0.0))))
+                    to_verify.append((r, rid))
+                for f in ev.failed:
+                    call_us.pop((r, f.request_id), None)
+                    conn.send(("failed", (r, f.request_id, f.kind.value, f.invalid_block_ids, f.message)))
+        # verify received bytes only while no transfer is in flight, so that checking one
+        # request never delays noticing that another one completed
+        # (and only once the parent asked, or nothing happened for a while: the parent may be
+        # about to submit the next request)
+        if (role == "d" and to_verify and not any(len(e.tracker) for e in engines.values())
+                and (verify_now or time.monotonic() - last_cmd > 0.5)):
+            r, rid = to_verify.pop(0)
+            seed, ntok, computed, local_ids, pspec, verify = pending[rid]
+            bad = -1
+            if verify:
+                plan = plan_transfer(pspec, spec)
+                if plan.post_process.needed:
+                    post_process_units(caches[r], local_ids, plan.post_process.units_per_block)
+                bad = caches[r].verify(logical_kv(spec, seed, ntok), local_ids, computed, ntok)
+            conn.send(("verified", (r, rid, bad)))
+            if not any(x[1] == rid for x in to_verify):
+                pending.pop(rid, None)
+                loaded_at.pop(rid, None)
+            if not to_verify:
+                verify_now = False
+    for e in engines.values():
+        e.close()
+    if server is not None:
+        server.close()
+    conn.send(("closed", None))
+
+
+# ---------------------------------------------------------------------------
+# parent
+
+
+@dataclass
+class RequestResult:
+    """What every decode rank reported for one request."""
+
+    request_id: str
+    done: dict[int, int] = field(default_factory=dict)  # rank -> mismatching bytes (-1: unchecked)
+    done_at: dict[int, float] = field(default_factory=dict)  # rank -> time.monotonic() of completion
+    loaded_at: dict[int, float] = field(default_factory=dict)  # rank -> time.monotonic() of load()
+    load_call_us: dict[int, float] = field(default_factory=dict)  # rank -> duration of load() (posting)
+    failed: dict[int, tuple[str, tuple[int, ...], str]] = field(default_factory=dict)
+    released: dict[int, str] = field(default_factory=dict)  # prefill rank -> reason
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed and all(v <= 0 for v in self.done.values())  # -1: not verified
+
+    @property
+    def mismatches(self) -> int:
+        return sum(v for v in self.done.values() if v > 0)
+
+
+class EngineGroup:
+    """The processes of one engine."""
+
+    def __init__(self, role: str, spec: EngineSpec, num_blocks: int, config: EngineConfig,
+                 ranks_per_process: int | None = None, incarnation: str | None = None):
+        from kvbridge.handshake import new_incarnation
+
+        self.role, self.spec, self.num_blocks, self.config = role, spec, num_blocks, config
+        self.incarnation = incarnation or new_incarnation()
+        per = ranks_per_process or spec.tp_size
+        self.groups = [list(range(i, min(i + per, spec.tp_size))) for i in range(0, spec.tp_size, per)]
+        self.procs: list = []
+        self.conns: list[Connection] = []
+        self.host: str = ""
+        self.port: int = 0
+        self.alive = False
+
+    def start(self, timeout: float = 300.0) -> None:
+        self.launch()
+        self.await_ready(timeout)
+
+    def launch(self) -> None:
+        for i, ranks in enumerate(self.groups):
+            parent, child = _CTX.Pipe()
+            p = _CTX.Process(target=_child, args=(child, self.role, self.spec, ranks, self.num_blocks,
+                                                  self.config, self.incarnation, i == 0), daemon=True)
+            p.start()
+            child.close()
+            self.procs.append(p)
+            self.conns.append(parent)
+
+    def await_ready(self, timeout: float = 300.0) -> None:
+        extra = []
+        for i, c in enumerate(self.conns):
+            msg = _recv(c, timeout, f"{self.role} process {i} start")
+            if msg[0] != "ready":
+                raise HarnessError(f"{self.role} process {i} failed to start: {msg}")
+            if i == 0:
+                self.host, self.port = msg[1], msg[2]
+            else:
+                extra.extend(msg[3].values())
+        if extra:
+            self.conns[0].send(("publish", extra))
+            _expect_ok(self.conns[0], timeout, lambda msg: None)
+            for c in self.conns[1:]:
+                c.send(("advertise", (self.host, self.port)))
+                _expect_ok(c, timeout, lambda msg: None)
+        self.alive = True
+
+    def owner(self, rank: int) -> int:
+        for i, g in enumerate(self.groups):
+            if rank in g:
+                return i
+        raise ValueError(rank)
+
+    def broadcast(self, cmd: str, arg, sink, timeout: float = 60.0) -> None:
+        """Send a command to every process; events that arrive before the replies go to ``sink``."""
+        for c in self.conns:
+            c.send((cmd, arg))
+        for c in self.conns:
+            _expect_ok(c, timeout, sink)
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+        for p in self.procs:
+            p.join(5)
+        self.alive = False
+
+    def close(self, timeout: float = 30.0) -> None:
+        if not self.alive:
+            self.kill()
+            return
+        for c in self.conns:
+            try:
+                c.send(("close", None))
+            except (BrokenPipeError, OSError):
+                pass
+        for p in self.procs:
+            p.join(timeout)
+        self.kill()
+
+
+def _recv(c: Connection, timeout: float, what: str):
+    if not c.poll(timeout):
+        raise HarnessError(f"{what}: no answer within {timeout:.0f} s")
+    msg = c.recv()
+    if msg[0] == "crash":
+        raise HarnessError(f"{what}: child crashed:\n{msg[1]}")
+    return msg
+
+
+class Cluster:
+    """A prefill engine and a decode engine in real processes, driven from this process."""
+
+    def __init__(self, prefill: EngineSpec, decode: EngineSpec, *, num_blocks: int = 64,
+                 config: EngineConfig | None = None, decode_config: EngineConfig | None = None,
+                 ranks_per_process: int | None = None):
+        self.plan = plan_transfer(prefill, decode)
+        self.config = config or EngineConfig()
+        self.decode_config = decode_config or self.config
+        self.num_blocks = num_blocks
+        self.ranks_per_process = ranks_per_process
+        self.prefill = EngineGroup("p", prefill, num_blocks, self.config, ranks_per_process)
+        self.decode = EngineGroup("d", decode, num_blocks, self.decode_config, ranks_per_process)
+        self.results: dict[str, RequestResult] = {}
+        self.events: list[tuple] = []
+        self._tokens: dict[str, str] = {}
+
+    @property
+    def mode(self) -> str:
+        return self.config.mode
+
+    def start(self) -> Cluster:
+        self.prefill.launch()
+        self.decode.launch()
+        self.prefill.await_ready()
+        self.decode.await_ready()
+        return self
+
+    def restart_prefill(self) -> None:
+        """Kill the prefill engine and start a new incarnation on a new port."""
+        self.prefill.kill()
+        self.prefill = EngineGroup("p", self.prefill.spec, self.num_blocks, self.config,
+                                   self.ranks_per_process)
+        self.prefill.start()
+
+    def params(self, rid: str, p_blocks: list[int], token: str) -> TransferParams:
+        p = self.prefill
+        return TransferParams(p.spec.engine_id, p.host, p.port, p.spec.tp_size, tuple(p_blocks), token,
+                              p.incarnation)
+
+    def fill(self, seed: int, p_blocks: list[int], num_tokens: int | None = None) -> int:
+        """Write a request's synthetic KV content into prefill blocks; returns its token count."""
+        ntok = num_tokens if num_tokens is not None else len(p_blocks) * self.prefill.spec.block_size
+        self.prefill.broadcast("fill", (seed, ntok, list(p_blocks)), self._absorb)
+        return ntok
+
+    def submit(self, rid: str, seed: int, p_blocks: list[int], d_blocks: list[int], *,
+               num_tokens: int | None = None, computed_tokens: int = 0, token: str | None = None,
+               load: bool = True, fill: bool = True, verify: bool = True) -> TransferParams:
+        """Fill and hold the prefill blocks, then make the decode engine load (or await) them."""
+        from .messages import new_token
+
+        ntok = num_tokens if num_tokens is not None else len(p_blocks) * self.prefill.spec.block_size
+        if fill:
+            self.fill(seed, p_blocks, ntok)
+        token = token or new_token()
+        self._tokens[rid] = token
+        self.results[rid] = RequestResult(rid)
+        params = self.params(rid, p_blocks, token)
+        dspec = self.decode.spec
+        if self.mode == "pull":
+            self.prefill.broadcast("hold", (rid, list(p_blocks), token), self._absorb)
+            if load:
+                self.load(rid, params, d_blocks, seed, ntok, computed_tokens, verify)
+        else:
+            self.decode.broadcast("expect", (rid, params, list(d_blocks), computed_tokens, seed, ntok,
+                                             self.prefill.spec, verify), self._absorb)
+            target = PushTarget(dspec.engine_id, self.decode.host, self.decode.port, dspec.tp_size,
+                                tuple(d_blocks), token, computed_tokens)
+            self.prefill.broadcast("push", (rid, list(p_blocks), target), self._absorb)
+        return params
+
+    def load(self, rid: str, params: TransferParams, d_blocks: list[int], seed: int, ntok: int,
+             computed_tokens: int = 0, verify: bool = True) -> None:
+        self.results.setdefault(rid, RequestResult(rid))
+        self.decode.broadcast("load", (rid, params, list(d_blocks), computed_tokens, seed, ntok,
+                                       self.prefill.spec, verify), self._absorb)
+
+    def _pump(self, timeout: float) -> bool:
+        conns = {}
+        for grp in (self.prefill, self.decode):
+            if grp.alive:
+                for c in grp.conns:
+                    conns[c] = grp
+        ready = wait(list(conns), timeout)
+        for c in ready:
+            try:
+                kind, arg = c.recv()
+            except (EOFError, OSError):
+                conns[c].alive = False
+                continue
+            if kind == "crash":
+                raise HarnessError(f"a {conns[c].role} process crashed:\n{arg}")
+            self._absorb((kind, arg))
+        return bool(ready)
+
+    def _transferred(self, rid: str) -> bool:
+        res = self.results.get(rid)
+        return res is not None and len(res.done_at) + len(res.failed) >= self.decode.spec.tp_size
+
+    def finished(self, rid: str) -> bool:
+        res = self.results.get(rid)
+        return res is not None and len(res.done) + len(res.failed) >= self.decode.spec.tp_size
+
+    def released(self, rid: str) -> bool:
+        res = self.results.get(rid)
+        return res is not None and len(res.released) >= self.prefill.spec.tp_size
+
+    def wait(self, rids: list[str], timeout: float = 60.0, *, released: bool = False,
+             on_progress=None) -> dict[str, RequestResult]:
+        """Pump events until every request in ``rids`` finished on every decode rank (and, with
+        ``released=True``, was released on every prefill rank); raises HarnessError on timeout."""
+        deadline = time.monotonic() + timeout
+        left = set(rids)
+        asked = False
+        while left:
+            if not asked and all(self._transferred(r) for r in left):
+                for c in self.decode.conns:
+                    try:
+                        c.send(("verify", None))
+                    except (BrokenPipeError, OSError):
+                        pass
+                asked = True
+            done_now = {r for r in left if self.finished(r) and (not released or self.released(r))}
+            if done_now and on_progress is not None:
+                on_progress(len(done_now))
+            left -= done_now
+            if not left:
+                break
+            if time.monotonic() > deadline:
+                raise HarnessError(f"requests {sorted(left)[:5]} not finished within {timeout:.0f} s")
+            self._pump(min(0.5, max(0.0, deadline - time.monotonic())))
+        return {r: self.results[r] for r in rids}
+
+    def drain(self, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            self._pump(deadline - time.monotonic())
+
+    def rank_stats(self, group: EngineGroup) -> dict[int, tuple]:
+        out: dict[int, tuple] = {}
+        for c in group.conns:
+            c.send(("stats", None))
+        for c in group.conns:
+            while True:
+                msg = _recv(c, 30, "stats")
+                if msg[0] == "stats":
+                    out.update(msg[1])
+                    break
+                self._absorb(msg)
+        return out
+
+    def _absorb(self, msg) -> None:
+        kind, arg = msg
+        self.events.append(msg)
+        if kind == "crash":
+            raise HarnessError(f"a harness process crashed:\n{arg}")
+        if kind == "done":
+            res = self.results.setdefault(arg[1], RequestResult(arg[1]))
+            res.done_at[arg[0]], res.loaded_at[arg[0]], res.load_call_us[arg[0]] = arg[2], arg[3], arg[4]
+        elif kind == "verified":
+            self.results.setdefault(arg[1], RequestResult(arg[1])).done[arg[0]] = arg[2]
+        elif kind == "failed":
+            self.results.setdefault(arg[1], RequestResult(arg[1])).failed[arg[0]] = (
+                arg[2], tuple(arg[3]), arg[4])
+        elif kind == "released":
+            self.results.setdefault(arg[1], RequestResult(arg[1])).released[arg[0]] = arg[2]
+
+    def close(self) -> None:
+        self.decode.close()
+        self.prefill.close()
+
+    def __enter__(self) -> Cluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _expect_ok(c: Connection, timeout: float, sink) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        msg = _recv(c, max(0.1, deadline - time.monotonic()), "command")
+        if msg[0] == "ok":
+            return
+        if msg[0] == "error":
+            raise HarnessError(msg[1])
+        sink(msg)  # an event that raced the reply
+
+
+def spec_pair(prefill_tp: int = 2, decode_tp: int = 1, *, kv_heads: int = 4, head_dim: int = 64,
+              layers: int = 4, dtype: str = "bf16", prefill_block_size: int = 16,
+              decode_block_size: int = 16, layout: str = "kv-first", mla: bool = False,
+              decode_layout: str | None = None) -> tuple[EngineSpec, EngineSpec]:
+    p = EngineSpec("prefill", prefill_tp, kv_heads, head_dim, layers, prefill_block_size, dtype,
+                   layout=layout, use_mla=mla)
+    d = replace(p, engine_id="decode", tp_size=decode_tp, block_size=decode_block_size,
+                layout=decode_layout or layout)
+    return p, d

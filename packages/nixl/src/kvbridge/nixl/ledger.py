@@ -1,0 +1,270 @@
+"""Pure bookkeeping of requests, without NIXL: the prefill ledger and the decode tracker.
+
+Both take the current time as an argument (seconds, any monotonic origin), so
+they are deterministic and unit-testable.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from .messages import Kind, Notification
+from .stats import Stats
+
+# ---------------------------------------------------------------------------
+# prefill side
+
+
+@dataclass
+class HeldRequest:
+    request_id: str
+    block_ids: tuple[int, ...]
+    token: str
+    deadline: float
+    decode_tp: int | None = None
+    expected: int | None = None
+    notified_by: set[int] = field(default_factory=set)
+
+
+@dataclass(frozen=True)
+class Released:
+    """A request whose blocks the prefill engine may free now."""
+
+    request_id: str
+    block_ids: tuple[int, ...]
+    reason: str  # "notified" or "lease-expired"
+
+
+class PrefillLedger:
+    """Requests a prefill rank holds until every assigned decode rank has notified.
+
+    ``expected_for(decode_tp)`` says how many decode ranks of a decode engine
+    with that TP size notify this rank per request (from the topology plan).
+    Notifications name the decode rank; each (request, decode rank) counts once.
+    """
+
+    def __init__(self, expected_for: Callable[[int], int], lease_s: float, stats: Stats | None = None):
+        if lease_s <= 0:
+            raise ValueError(f"lease must be positive seconds, got {lease_s!r}")
+        self._expected_for = expected_for
+        self._expected_cache: dict[int, int | None] = {}
+        self.lease_s = lease_s
+        self.stats = stats if stats is not None else Stats()
+        self._held: dict[str, HeldRequest] = {}
+        self._released: list[Released] = []
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._held
+
+    def hold(self, request_id: str, block_ids: Iterable[int], token: str, now: float) -> None:
+        if request_id in self._held:
+            raise ValueError(f"request {request_id!r} is already held; request ids must be unique")
+        self._held[request_id] = HeldRequest(request_id, tuple(int(b) for b in block_ids), token,
+                                             now + self.lease_s)
+
+    def _expected(self, decode_tp: int) -> int | None:
+        if decode_tp not in self._expected_cache:
+            try:
+                self._expected_cache[decode_tp] = self._expected_for(decode_tp)
+            except ValueError:
+                self._expected_cache[decode_tp] = None
+        return self._expected_cache[decode_tp]
+
+    def on_notification(self, n: Notification | None, now: float) -> str:
+        """Apply one notification; returns what happened (for logs and tests)."""
+        self.stats.notifications_received += 1
+        if n is None:
+            self.stats.notifications_malformed += 1
+            return "malformed"
+        req = self._held.get(n.request_id)
+        if req is None:
+            self.stats.notifications_unknown += 1
+            return "unknown"
+        if n.token != req.token:
+            self.stats.notifications_bad_token += 1
+            return "bad-token"
+        if n.kind is Kind.RENEW:
+            req.deadline = max(req.deadline, now + self.lease_s)
+            self.stats.leases_renewed += 1
+            return "renewed"
+        if n.kind is not Kind.DONE:
+            self.stats.notifications_malformed += 1
+            return "malformed"
+        if req.decode_tp is None:
+            expected = self._expected(n.decode_tp)
+            if expected is None or expected == 0:
+                self.stats.notifications_malformed += 1
+                return "bad-decode-tp"
+            req.decode_tp, req.expected = n.decode_tp, expected
+        elif n.decode_tp != req.decode_tp:
+            self.stats.notifications_malformed += 1
+            return "bad-decode-tp"
+        if n.decode_rank in req.notified_by:
+            self.stats.notifications_duplicate += 1
+            return "duplicate"
+        req.notified_by.add(n.decode_rank)
+        if req.expected is not None and len(req.notified_by) >= req.expected:
+            self._release(req, "notified")
+            return "released"
+        return "counted"
+
+    def _release(self, req: HeldRequest, reason: str) -> None:
+        del self._held[req.request_id]
+        self._released.append(Released(req.request_id, req.block_ids, reason))
+        self.stats.requests_released += 1
+        if reason == "lease-expired":
+            self.stats.leases_expired += 1
+
+    def expire(self, now: float) -> list[str]:
+        """Release every request whose lease has lapsed; returns their ids."""
+        lapsed = [r for r in self._held.values() if r.deadline <= now]
+        for r in lapsed:
+            self._release(r, "lease-expired")
+        return [r.request_id for r in lapsed]
+
+    def take_released(self) -> list[Released]:
+        out, self._released = self._released, []
+        return out
+
+    def held(self) -> list[str]:
+        return list(self._held)
+
+
+# ---------------------------------------------------------------------------
+# decode side
+
+
+class State(str, enum.Enum):
+    WAITING = "waiting-handshake"
+    READY = "ready"
+    POSTED = "posted"
+    DONE = "done"
+    FAILED = "failed"
+
+
+class FailureKind(str, enum.Enum):
+    HANDSHAKE = "handshake"
+    TRANSFER = "transfer-error"
+    POST = "post-exception"
+    TIMEOUT = "timeout"
+    SHUTDOWN = "shutdown"
+
+
+@dataclass(frozen=True)
+class Failed:
+    """A request that will not complete: its local blocks hold garbage and must be recomputed."""
+
+    request_id: str
+    kind: FailureKind
+    invalid_block_ids: tuple[int, ...]
+    message: str
+
+
+@dataclass
+class Tracked:
+    request_id: str
+    engine: str
+    local_block_ids: tuple[int, ...]
+    deadline: float
+    state: State = State.WAITING
+    outstanding: set[object] = field(default_factory=set)
+
+
+class DecodeTracker:
+    """Per-request state machine of a decode rank.
+
+    waiting-handshake -> ready -> posted -> done, and any non-final state ->
+    failed (with the request's local blocks reported invalid).
+    """
+
+    def __init__(self, stats: Stats | None = None):
+        self.stats = stats if stats is not None else Stats()
+        self._reqs: dict[str, Tracked] = {}
+        self._done: list[str] = []
+        self._failed: list[Failed] = []
+
+    def __len__(self) -> int:
+        return len(self._reqs)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._reqs
+
+    def get(self, request_id: str) -> Tracked | None:
+        return self._reqs.get(request_id)
+
+    def add(self, request_id: str, engine: str, local_block_ids: Iterable[int], deadline: float,
+            ready: bool) -> Tracked:
+        if request_id in self._reqs:
+            raise ValueError(f"request {request_id!r} is already loading; request ids must be unique")
+        t = Tracked(request_id, engine, tuple(int(b) for b in local_block_ids), deadline,
+                    State.READY if ready else State.WAITING)
+        self._reqs[request_id] = t
+        return t
+
+    def waiting_on(self, engine: str) -> list[Tracked]:
+        return [t for t in self._reqs.values() if t.engine == engine and t.state is State.WAITING]
+
+    def ready(self) -> list[Tracked]:
+        return [t for t in self._reqs.values() if t.state is State.READY]
+
+    def handshake_done(self, engine: str) -> list[Tracked]:
+        out = self.waiting_on(engine)
+        for t in out:
+            t.state = State.READY
+        return out
+
+    def handshake_failed(self, engine: str, message: str) -> list[Failed]:
+        return [self.fail(t.request_id, FailureKind.HANDSHAKE, message) for t in self.waiting_on(engine)]
+
+    def posted(self, request_id: str, parts: Iterable[object]) -> None:
+        t = self._reqs[request_id]
+        if t.state is not State.READY:
+            raise ValueError(f"request {request_id!r} is {t.state.value}, not ready to post")
+        t.outstanding = set(parts)
+        t.state = State.POSTED
+        if not t.outstanding:
+            self._finish(t)
+
+    def part_done(self, request_id: str, part: object) -> bool:
+        """Mark one transfer of a request complete; True when the request is done."""
+        t = self._reqs.get(request_id)
+        if t is None or t.state is not State.POSTED:
+            return False
+        t.outstanding.discard(part)
+        if not t.outstanding:
+            self._finish(t)
+            return True
+        return False
+
+    def _finish(self, t: Tracked) -> None:
+        del self._reqs[t.request_id]
+        t.state = State.DONE
+        self._done.append(t.request_id)
+        self.stats.requests_done += 1
+
+    def fail(self, request_id: str, kind: FailureKind, message: str) -> Failed:
+        t = self._reqs.pop(request_id)
+        t.state = State.FAILED
+        f = Failed(request_id, kind, t.local_block_ids, message)
+        self._failed.append(f)
+        self.stats.fail(kind.value)
+        return f
+
+    def overdue(self, now: float) -> list[Tracked]:
+        return [t for t in self._reqs.values() if t.deadline <= now]
+
+    def active(self) -> list[Tracked]:
+        return list(self._reqs.values())
+
+    def take_done(self) -> list[str]:
+        out, self._done = self._done, []
+        return out
+
+    def take_failed(self) -> list[Failed]:
+        out, self._failed = self._failed, []
+        return out

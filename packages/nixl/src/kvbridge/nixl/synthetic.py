@@ -1,0 +1,157 @@
+"""Synthetic KV caches in host memory, filled with verifiable content.
+
+Used by ``kvbridge demo``, ``kvbridge bench`` and the multi-process tests. A
+request's KV content is a deterministic function of a seed: random bytes
+``G[layer, kind, head, token, byte]`` (``byte`` spans one head's ``head_dim``
+values). A rank's block holds its heads' slice of ``G`` in the engine's layout
+and head order, so every received byte can be checked against the expected
+shard.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvbridge.topology import EngineSpec, HeadOrder, element_layout, head_range
+
+from .geometry import CacheGeometry
+
+
+def logical_kv(spec: EngineSpec, seed: int, num_tokens: int) -> np.ndarray:
+    """The request's whole KV content: uint8 [layers, kinds, heads, tokens, head bytes]."""
+    kinds = 1 if spec.use_mla else 2
+    heads = spec.kv_heads_for_placement
+    rng = np.random.default_rng(seed)
+    return rng.integers(0, 256, size=(spec.num_layers, kinds, heads, num_tokens,
+                                      spec.head_dim * spec.dtype_size), dtype=np.uint8)
+
+
+@dataclass
+class SyntheticCache:
+    """One rank's cache: one uint8 tensor [num_blocks, block_bytes] per region."""
+
+    spec: EngineSpec
+    rank: int
+    num_blocks: int
+    regions: list[torch.Tensor]
+
+    @classmethod
+    def allocate(cls, spec: EngineSpec, rank: int, num_blocks: int) -> SyntheticCache:
+        lay = element_layout(spec)
+        regions = [torch.zeros((num_blocks, lay.region_block_bytes), dtype=torch.uint8)
+                   for _ in range(lay.regions)]
+        return cls(spec, rank, num_blocks, regions)
+
+    def geometry(self) -> CacheGeometry:
+        return CacheGeometry.from_layout([t.data_ptr() for t in self.regions], self.num_blocks,
+                                         element_layout(self.spec))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() for t in self.regions)
+
+    def _element(self, kv: np.ndarray, layer: int, kind: int, tok0: int, ntok: int) -> np.ndarray:
+        """Bytes of one element (block of ``block_size`` tokens from ``tok0``) for this rank."""
+        spec = self.spec
+        heads = head_range(spec.tp_size, spec.kv_heads_for_placement, self.rank)
+        hb = spec.head_dim * spec.dtype_size
+        out = np.zeros((len(heads), spec.block_size, hb), dtype=np.uint8)
+        avail = max(0, min(ntok, kv.shape[3] - tok0))
+        out[:, :avail] = kv[layer, kind, heads.start:heads.stop, tok0:tok0 + avail]
+        if spec.head_order is HeadOrder.NHD:
+            out = out.transpose(1, 0, 2)
+        return np.ascontiguousarray(out).reshape(-1)
+
+    def _blocks_view(self) -> list[tuple[torch.Tensor, int, int]]:
+        """(region tensor, element offset, role) for every role."""
+        lay = element_layout(self.spec)
+        out = []
+        for i, t in enumerate(self.regions):
+            for e, off in enumerate(lay.element_offsets):
+                out.append((t, off, i * lay.elements_per_block + e))
+        return out
+
+    def fill(self, kv: np.ndarray, block_ids: list[int], first_token: int = 0) -> None:
+        """Write this rank's shard of ``kv`` into ``block_ids`` (tokens from ``first_token``)."""
+        lay = element_layout(self.spec)
+        bs = self.spec.block_size
+        for t, off, role in self._blocks_view():
+            layer, kind = lay.element_roles[role]
+            for j, b in enumerate(block_ids):
+                el = self._element(kv, layer, kind, first_token + j * bs, bs)
+                t[b, off:off + el.size] = torch.from_numpy(el)
+
+    def expected(self, kv: np.ndarray, block_ids: list[int], first_token: int,
+                 num_tokens: int) -> dict[tuple[int, int], np.ndarray]:
+        """(role, block) -> expected element bytes, for tokens [first_token, num_tokens)."""
+        lay = element_layout(self.spec)
+        bs = self.spec.block_size
+        out = {}
+        for _, _, role in self._blocks_view():
+            layer, kind = lay.element_roles[role]
+            for j, b in enumerate(block_ids):
+                tok0 = first_token + j * bs
+                out[(role, b)] = self._element(kv, layer, kind, tok0, min(bs, num_tokens - tok0))
+        return out
+
+    def verify(self, kv: np.ndarray, block_ids: list[int], first_token: int, num_tokens: int) -> int:
+        """Number of mismatching bytes in ``block_ids`` against the expected shard of ``kv``.
+
+        Only tokens below ``num_tokens`` are compared (a partial last block's
+        tail is undefined).
+        """
+        spec = self.spec
+        bs = spec.block_size
+        hb = spec.head_dim * spec.dtype_size
+        hpr = len(head_range(spec.tp_size, spec.kv_heads_for_placement, self.rank))
+        bad = 0
+        exp = self.expected(kv, block_ids, first_token, num_tokens)
+        for t, off, role in self._blocks_view():
+            for j, b in enumerate(block_ids):
+                e = exp[(role, b)]
+                got = t[b, off:off + e.size].numpy()
+                valid = min(bs, num_tokens - (first_token + j * bs))
+                if valid < bs:
+                    shape = (hpr, bs, hb) if spec.head_order is HeadOrder.HND else (bs, hpr, hb)
+                    g3, e3 = got.reshape(shape), e.reshape(shape)
+                    if spec.head_order is HeadOrder.HND:
+                        g3, e3 = g3[:, :valid], e3[:, :valid]
+                    else:
+                        g3, e3 = g3[:valid], e3[:valid]
+                    bad += int(np.count_nonzero(g3 != e3))
+                else:
+                    bad += int(np.count_nonzero(got != e))
+        return bad
+
+    def clear(self, block_ids: list[int]) -> None:
+        idx = torch.as_tensor(block_ids, dtype=torch.long)
+        for t in self.regions:
+            t[idx] = 0
+
+
+def post_process_units(cache: SyntheticCache, block_ids: list[int], units: int) -> None:
+    """Rearrange received blocks from [units, heads, unit tokens, dim] to [heads, tokens, dim] (HND).
+
+    Applies when this (decode) side's blocks are ``units`` times larger than
+    the prefill side's and hold several heads in HND order.
+    """
+    spec = cache.spec
+    hb = spec.head_dim * spec.dtype_size
+    hpr = len(head_range(spec.tp_size, spec.kv_heads_for_placement, cache.rank))
+    ut = spec.block_size // units
+    if units <= 1 or hpr <= 1:
+        return
+    lay = element_layout(spec)
+    idx = torch.as_tensor(block_ids, dtype=torch.long)
+    for t in cache.regions:
+        for off in lay.element_offsets:
+            el = t[idx, off:off + lay.element_bytes]
+            if spec.head_order is HeadOrder.HND:
+                fixed = el.reshape(-1, units, hpr, ut, hb).permute(0, 2, 1, 3, 4)
+            else:
+                # received NHD units are [units, unit tokens, heads, dim]: already token-major
+                continue
+            t[idx, off:off + lay.element_bytes] = fixed.reshape(len(block_ids), -1)

@@ -1,0 +1,107 @@
+"""Facts about NIXL's Python API that the engine relies on, checked on real UCX in host memory."""
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from kvbridge.nixl.agent import AgentConfig, NixlAgent, NixlError, expand_strided
+
+
+@pytest.fixture(scope="module")
+def pair():
+    a = NixlAgent("test-agent-a", AgentConfig(num_threads=1))
+    b = NixlAgent("test-agent-b", AgentConfig(num_threads=1))
+    yield a, b
+    a.close()
+    b.close()
+
+
+def _wait(agent, x, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while (s := agent.state(x)) == "PROC":
+        if time.monotonic() > deadline:
+            raise TimeoutError
+    return s
+
+
+def _notifs(agent, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = agent.notifications()
+        if got:
+            return got
+        time.sleep(0.002)
+    return {}
+
+
+@pytest.mark.parametrize("strided", [True, False])
+def test_read_with_index_arrays_and_notification(pair, strided):
+    a, b = pair
+    nb, bl = 32, 256
+    src = torch.randint(0, 255, (nb, bl), dtype=torch.uint8)
+    dst = torch.zeros((nb, bl), dtype=torch.uint8)
+    a.register(np.array([[src.data_ptr(), src.numel(), 0]]))
+    b.register(np.array([[dst.data_ptr(), dst.numel(), 0]]))
+    name = b.add_remote(a.metadata())
+    assert name == "test-agent-a"
+    before = b.counts()
+    rem = np.array([[src.data_ptr(), bl, 0, bl, nb]], dtype=np.uint64)
+    loc = np.array([[dst.data_ptr(), bl, 0, bl, nb]], dtype=np.uint64)
+    rl = b.prepare(name, rem, allow_strided=strided)
+    ll = b.prepare(None, loc, allow_strided=strided)
+    assert rl.num_descs == nb and rl.strided is strided
+    li = np.array([0, 1, 2, 9], dtype=np.int32)
+    ri = np.array([5, 6, 7, 30], dtype=np.int32)
+    x = b.make_transfer("READ", ll, li, rl, ri, b"done-1")
+    assert b.post(x) in ("DONE", "PROC")
+    assert _wait(b, x) == "DONE"
+    tel = b.telemetry(x)
+    assert tel is not None and tel.bytes == 4 * bl
+    for i, j in zip(li, ri, strict=True):
+        assert torch.equal(dst[i], src[j])
+    assert int(dst[3].sum()) == 0
+    assert _notifs(a) == {"test-agent-b": [b"done-1"]}
+    b.notify(name, b"only")
+    assert _notifs(a) == {"test-agent-b": [b"only"]}
+    x.release()
+    rl.release()
+    ll.release()
+    assert b.counts() == before
+    b.remove_remote(name)
+    assert b.counts()["remote_agents"] == 0
+
+
+def test_expand_strided_matches_rows():
+    arr = np.array([[100, 8, 0, 16, 3], [1000, 4, 1, 4, 2]], dtype=np.uint64)
+    assert expand_strided(arr).tolist() == [[100, 8, 0], [116, 8, 0], [132, 8, 0],
+                                            [1000, 4, 1], [1004, 4, 1]]
+
+
+def test_errors_name_what_to_fix(pair):
+    a, _ = pair
+    with pytest.raises(NixlError, match="no remote agent"):
+        a.prepare("nobody", np.array([[1, 1, 0]], dtype=np.uint64))
+    with pytest.raises(ValueError, match="N x 3"):
+        a.register(np.zeros((1, 5), dtype=np.uint64))
+    with pytest.raises(ValueError):
+        AgentConfig(backends=())
+
+
+def test_unknown_backend_is_refused():
+    with pytest.raises(NixlError, match="not available"):
+        NixlAgent("test-agent-c", AgentConfig(backends=("NOPE",)))
+
+
+def test_close_releases_everything():
+    a = NixlAgent("test-agent-d", AgentConfig(num_threads=1))
+    buf = torch.zeros(4096, dtype=torch.uint8)
+    a.register(np.array([[buf.data_ptr(), 4096, 0]]))
+    a.prepare(None, np.array([[buf.data_ptr(), 64, 0, 64, 64]], dtype=np.uint64))
+    assert a.counts()["lists"] == 1
+    a.close()
+    assert a.counts() == {"registrations": 0, "lists": 0, "transfers": 0, "remote_agents": 0}
+    with pytest.raises(NixlError, match="closed"):
+        a.metadata()
+    a.close()  # idempotent

@@ -1,0 +1,246 @@
+"""Engine behaviour with real NIXL agents (UCX, host memory) and real ZMQ, in one process.
+
+Cross-process behaviour (killed peers, real TP layouts per process) is in the
+repository's top-level tests/.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+import pytest
+
+from kvbridge.handshake import new_incarnation
+from kvbridge.nixl.agent import AgentConfig
+from kvbridge.nixl.engine import DecodeEngine, EngineConfig, PrefillEngine, TransferParams
+from kvbridge.nixl.ledger import FailureKind
+from kvbridge.nixl.synthetic import SyntheticCache, logical_kv
+from kvbridge.topology import EngineSpec
+
+pytestmark = pytest.mark.timeout(120)
+
+P = EngineSpec("prefill", 2, 4, 16, 2, 16)
+D = EngineSpec("decode", 1, 4, 16, 2, 16)
+NB = 16
+CFG = EngineConfig(agent=AgentConfig(num_threads=0), lease_s=30, handshake_timeout_s=2,
+                   transfer_timeout_s=10)
+
+
+class Pair:
+    def __init__(self, cfg: EngineConfig = CFG, p_spec: EngineSpec = P):
+        self.cfg = cfg
+        self.p_spec = p_spec
+        self.dc = SyntheticCache.allocate(D, 0, NB)
+        self.dec = DecodeEngine(D, 0, self.dc.geometry(), cfg)
+        self.start_prefill()
+
+    def start_prefill(self):
+        inc = new_incarnation()
+        self.pc = [SyntheticCache.allocate(self.p_spec, r, NB) for r in range(self.p_spec.tp_size)]
+        self.pre = [PrefillEngine(self.p_spec, r, self.pc[r].geometry(), self.cfg, incarnation=inc)
+                    for r in range(self.p_spec.tp_size)]
+        srv = self.pre[0].serve()
+        for e in self.pre[1:]:
+            e.serve(srv)
+
+    def stop_prefill(self):
+        for e in self.pre:
+            e.close()
+
+    def hold(self, rid, blocks, seed=1, token=None):
+        kv = logical_kv(self.p_spec, seed, len(blocks) * 16)
+        for c in self.pc:
+            c.fill(kv, blocks)
+        params = self.pre[0].hold(rid, blocks, token)
+        for e in self.pre[1:]:
+            e.hold(rid, blocks, params.token)
+        return params
+
+    def run(self, until, timeout=15.0):
+        done, failed, released = [], [], []
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            ev = self.dec.poll()
+            done += ev.done
+            failed += ev.failed
+            for e in self.pre:
+                if not e._closed:
+                    released += e.poll()
+            if until(done, failed, released):
+                return done, failed, released
+            time.sleep(0.001)
+        raise TimeoutError(f"done={done} failed={failed} released={released}")
+
+    def close(self):
+        self.dec.close()
+        self.stop_prefill()
+
+
+@pytest.fixture
+def pair():
+    p = Pair()
+    yield p
+    p.close()
+
+
+def test_pull_verifies_and_releases(pair):
+    params = pair.hold("a", [3, 1, 7])
+    pair.dec.load("a", params, [9, 10, 2])
+    done, failed, released = pair.run(lambda d, f, r: len(d) == 1 and len(r) == 2)
+    assert done == ["a"] and not failed
+    assert {(r.request_id, r.reason) for r in released} == {("a", "notified")}
+    assert pair.dc.verify(logical_kv(P, 1, 48), [9, 10, 2], 0, 48) == 0
+
+
+def test_requests_wait_for_the_handshake_and_fail_with_it(pair):
+    dead = TransferParams("ghost", "127.0.0.1", 1, 2, (1, 2), "tok")
+    pair.dec.load("x", dead, [4, 5])
+    pair.dec.load("y", dead, [6])
+    assert pair.dec.pending == 2  # load() returned at once; the handshake runs in the background
+    _, failed, _ = pair.run(lambda d, f, r: len(f) == 2)
+    assert {f.request_id: f.invalid_block_ids for f in failed} == {"x": (4, 5), "y": (6,)}
+    assert all(f.kind is FailureKind.HANDSHAKE for f in failed)
+    assert pair.dec.resource_counts()["remote_agents"] == 0
+
+
+def test_wrong_token_notification_is_ignored(pair):
+    params = pair.hold("a", [1])
+    pair.dec.load("a", replace(params, token="not-the-token"), [2])
+    done, _, released = pair.run(lambda d, f, r: len(d) == 1)
+    time.sleep(0.2)
+    for e in pair.pre:
+        released += e.poll()
+    assert released == []  # nothing freed by a notification carrying the wrong token
+    assert all(e.stats.notifications_bad_token == 1 and e.held == 1 for e in pair.pre)
+
+
+def test_lease_expires_when_decode_never_reads():
+    pair = Pair(replace(CFG, lease_s=0.3))
+    try:
+        pair.hold("a", [1, 2])
+        _, _, released = pair.run(lambda d, f, r: len(r) == 2, timeout=5)
+        assert {(r.request_id, r.reason, r.block_ids) for r in released} == {("a", "lease-expired", (1, 2))}
+        assert all(e.stats.leases_expired == 1 for e in pair.pre)
+    finally:
+        pair.close()
+
+
+def test_decode_renews_the_lease_while_a_transfer_is_slow(monkeypatch):
+    pair = Pair(replace(CFG, lease_s=0.5, renew_interval_s=0.1))
+    try:
+        pair.dec.load("warm", pair.hold("warm", [2]), [3])
+        pair.run(lambda d, f, r: "warm" in d and len(r) == 2)
+        # the READ of "a" is held back and looks in progress for 1.5 s (three leases)
+        monkeypatch.setattr(pair.dec.agent, "post", lambda x: "PROC")
+        monkeypatch.setattr(pair.dec.agent, "state", lambda x: "PROC")
+        params = pair.hold("a", [1])
+        pair.dec.load("a", params, [4])
+        t_end = time.monotonic() + 1.5
+        while time.monotonic() < t_end:
+            assert pair.dec.poll().failed == []
+            for e in pair.pre:
+                assert e.poll() == [], "the lease lapsed although the decode side renewed it"
+            time.sleep(0.005)
+        assert all(e.stats.leases_renewed >= 5 for e in pair.pre)
+        assert all(e.held == 1 for e in pair.pre)
+    finally:
+        pair.close()
+
+
+def test_prefill_restart_triggers_a_new_handshake(pair):
+    pair.dec.load("a", pair.hold("a", [1]), [1])
+    pair.run(lambda d, f, r: d == ["a"])
+    old_agents = set(pair.dec.agent.remote_agents)
+    pair.stop_prefill()
+    pair.start_prefill()  # same engine id, new incarnation, new port, new agents
+    pair.dec.load("b", pair.hold("b", [2], seed=2), [5])
+    done, failed, _ = pair.run(lambda d, f, r: d or f)
+    assert done == ["b"] and not failed
+    assert pair.dc.verify(logical_kv(P, 2, 16), [5], 0, 16) == 0
+    assert pair.dec.stats.handshakes == 2 and pair.dec.stats.stale_agents_dropped == 1
+    assert not (old_agents & set(pair.dec.agent.remote_agents))
+
+
+def test_full_prefix_hit_notifies_without_reading(pair):
+    params = pair.hold("a", [1, 2])
+    pair.dec.load("a", params, [], computed_tokens=32)
+    done, _, released = pair.run(lambda d, f, r: d and len(r) == 2)
+    assert done == ["a"] and pair.dec.stats.transfers == 0
+    assert {r.reason for r in released} == {"notified"}
+
+
+def test_bad_local_block_ids_are_refused(pair):
+    with pytest.raises(ValueError, match="outside"):
+        pair.dec.load("a", TransferParams("prefill", "127.0.0.1", 1, 2, (1,), "t"), [NB])
+
+
+def test_remote_block_ids_out_of_range_fail_the_request(pair):
+    params = pair.hold("a", [1])
+    pair.dec.load("a", replace(params, block_ids=(NB + 5,)), [1])
+    _, failed, _ = pair.run(lambda d, f, r: f)
+    assert failed[0].kind is FailureKind.POST and "outside" in failed[0].message
+
+
+def test_no_growth_after_many_requests(pair):
+    pair.dec.load("warm", pair.hold("warm", [0]), [0])
+    pair.run(lambda d, f, r: d)
+    base_d = pair.dec.resource_counts()
+    base_p = [e.resource_counts() for e in pair.pre]
+    n = 1000
+    for i in range(n):
+        rid = f"r{i}"
+        params = pair.pre[0].hold(rid, [i % NB])
+        pair.pre[1].hold(rid, [i % NB], params.token)
+        pair.dec.load(rid, params, [(i * 7) % NB])
+        if i % 50 == 49:
+            pair.run(lambda d, f, r, i=i: pair.dec.pending == 0 and all(e.held == 0 for e in pair.pre))
+    pair.run(lambda d, f, r: pair.dec.pending == 0 and all(e.held == 0 for e in pair.pre))
+    assert pair.dec.resource_counts() == base_d
+    assert [e.resource_counts() for e in pair.pre] == base_p
+    assert pair.dec.stats.requests_done == n + 1 and pair.dec.stats.handshakes == 1
+    assert len(pair.dec._loads) == 0 and len(pair.dec.tracker) == 0
+
+
+def test_close_releases_everything():
+    pair = Pair()
+    pair.dec.load("a", pair.hold("a", [1]), [1])
+    pair.run(lambda d, f, r: d)
+    agent = pair.dec.agent
+    pair.close()
+    assert agent.closed
+    assert agent.counts() == {"registrations": 0, "lists": 0, "transfers": 0, "remote_agents": 0}
+
+
+def test_push_mode_in_process():
+    cfg = replace(CFG, mode="push")
+    pair = Pair(cfg)
+    try:
+        pair.dec.serve()
+        kv = logical_kv(P, 3, 32)
+        for c in pair.pc:
+            c.fill(kv, [4, 5])
+        from kvbridge.nixl.engine import PushTarget
+
+        host, port = pair.dec.address
+        target = PushTarget("decode", host, port, 1, (8, 9), "tok")
+        pair.dec.expect("a", "prefill", 2, "tok", [8, 9])
+        for e in pair.pre:
+            e.push("a", [4, 5], target)
+        done, failed, released = pair.run(lambda d, f, r: d and len(r) == 2)
+        assert done == ["a"] and not failed
+        assert {r.reason for r in released} == {"written"}
+        assert pair.dc.verify(kv, [8, 9], 0, 32) == 0
+    finally:
+        pair.close()
+
+
+def test_unsupported_cache_shapes_are_refused_with_a_reason():
+    from kvbridge.topology import TopologyError
+
+    spec = replace(D, block_size=32, kernel_blocks_per_block=2)
+    cache = SyntheticCache.allocate(D, 0, 4)
+    with pytest.raises(TopologyError, match="kernel_blocks_per_block=1"):
+        DecodeEngine(spec, 0, cache.geometry(), CFG)
+    with pytest.raises(ValueError, match="outside TP size"):
+        DecodeEngine(D, 1, cache.geometry(), CFG)

@@ -1,0 +1,38 @@
+"""`kvbridge demo` and `kvbridge bench` as a user runs them (real processes, real NIXL)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvbridge.nixl.bench import KEYS
+from kvbridge.nixl.cli import bench_command, demo_command
+
+pytestmark = pytest.mark.timeout(400)
+
+
+def test_demo_small_verifies_every_byte(capsys):
+    rc = demo_command(["--blocks", "3", "--requests", "2", "--layers", "2", "--head-dim", "16",
+                       "--kv-heads", "4", "--prefill-tp", "2", "--decode-tp", "4", "--ranks-per-process", "4"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "demo: OK, every byte verified" in out
+    assert "decode verified 8 rank shards" in out  # 2 requests x 4 decode ranks
+    assert "memcpy on this machine" in out and "handshake (slowest rank)" in out
+
+
+def test_demo_refuses_impossible_shapes(capsys):
+    assert demo_command(["--prefill-tp", "3", "--kv-heads", "8"]) == 2
+    assert "cannot be split evenly" in capsys.readouterr().err
+    assert demo_command(["--blocks", "0"]) == 2
+
+
+def test_bench_json_has_exactly_the_documented_keys(capsys):
+    rc = bench_command(["--json", "--tokens", "64", "--requests", "1", "--ucx-threads", "1"])
+    assert rc == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    data = json.loads(out[-1])
+    assert tuple(data) == KEYS
+    assert all(isinstance(v, float) and v > 0 for v in data.values())
+    assert data["naive_desc_prep_ms"] > data["desc_prep_ms"]
