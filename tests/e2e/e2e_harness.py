@@ -86,11 +86,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def tiny_llama(kv_heads: int = 2, *, layers: int = 2, seed: int = 0,
+def tiny_llama(kv_heads: int = 2, *, layers: int = 2, heads: int = 4, head_dim: int = 32,
+               intermediate: int = 256, vocab: int = 1024, seed: int = 0,
                cache_dir: Path | None = None, python: str | None = None) -> Path:
-    """Build (once, cached by parameters) the tiny random Llama and return its folder."""
+    """Build (once, cached by parameters) a random Llama and return its folder."""
     cache_dir = cache_dir or REPO_ROOT / ".e2e" / "models"
-    out = cache_dir / f"tiny-llama-l{layers}-kv{kv_heads}-s{seed}"
+    name = f"tiny-llama-l{layers}-kv{kv_heads}-s{seed}"
+    if (heads, head_dim, intermediate, vocab) != (4, 32, 256, 1024):
+        name += f"-h{heads}x{head_dim}-i{intermediate}-v{vocab}"
+    out = cache_dir / name
     marker = out / "kvbridge_tiny_llama.json"
     if marker.exists() and (out / "model.safetensors").exists():
         return out
@@ -101,7 +105,8 @@ def tiny_llama(kv_heads: int = 2, *, layers: int = 2, seed: int = 0,
     shutil.rmtree(tmp, ignore_errors=True)
     subprocess.run(
         [py, str(MODEL_SCRIPT), str(tmp), "--kv-heads", str(kv_heads), "--layers", str(layers),
-         "--seed", str(seed)],
+         "--heads", str(heads), "--head-dim", str(head_dim), "--hidden", str(heads * head_dim),
+         "--intermediate", str(intermediate), "--vocab", str(vocab), "--seed", str(seed)],
         check=True, timeout=600,
     )
     shutil.rmtree(out, ignore_errors=True)
@@ -205,6 +210,10 @@ NIXL_CONNECTOR = ConnectorUnderTest(
     ),
     timing_env={"VLLM_LOGGING_LEVEL": "DEBUG"},
 )
+
+
+#: Connectors the bench and tests know by name. kvbridge's joins once it exists.
+CONNECTORS: dict[str, ConnectorUnderTest] = {"nixl": NIXL_CONNECTOR}
 
 
 # --------------------------------------------------------------------------- processes
@@ -378,6 +387,7 @@ def run_disaggregated(
     rounds: int = 1,
     timings: bool = False,
     kill_prefill_before_pull: bool = False,
+    stagger: bool | None = None,
     deadline_s: float = 1200,
     python: str | None = None,
 ) -> DisaggRun:
@@ -386,7 +396,14 @@ def run_disaggregated(
     With ``kill_prefill_before_pull`` the prefill engine is killed right after it
     published its transfer parameters and before the decode engine may use them;
     the prefill exit code is then not a failure, the decode one still is.
+
+    With ``stagger`` the decode engine starts only once the prefill engine is up.
+    Default: stagger when either side uses TP > 1. On two cores this matters: every
+    idle NIXL agent's progress thread spins a whole core (vLLM's NixlConnector keeps
+    it on), which starves a TP 2 engine's second rank while both engines start.
     """
+    if stagger is None:
+        stagger = prefill.tp > 1 or decode.tp > 1
     workdir.mkdir(parents=True, exist_ok=True)
     exchange = workdir / "exchange"
     shutil.rmtree(exchange, ignore_errors=True)
@@ -408,9 +425,15 @@ def run_disaggregated(
                       {"VLLM_CPU_OMP_THREADS_BIND": decode.cpus,
                        **connector.engine_env(host, d_port, timings=timings)}, python)
     p.start()
-    d.start()
     prefill_exit: int | None = 0
     try:
+        if stagger:
+            end = time.monotonic() + deadline_s
+            while not (exchange / "prefill.ready").exists():
+                if p.poll() is not None or time.monotonic() > end:
+                    raise EngineFailed(f"prefill engine did not start\n{p.log_tail()}")
+                time.sleep(0.2)
+        d.start()
         if kill_prefill_before_pull:
             end = time.monotonic() + deadline_s
             while not (exchange / "prefill_r0.json").exists():

@@ -23,6 +23,8 @@ SPEC is a JSON object (the harness in ``harness.py`` writes it):
                     prefill: after the last round, run one tiny local request so the
                     workers' finished sends and connector stats reach the metrics
 
+Each engine touches ``{role}.ready`` in exchange_dir once it has started.
+
 Round protocol (r = 0, 1, ...), so that prefill stays alive until decode pulled:
     prefill: generate 1 token with {"do_remote_decode": true}
              -> write prefill_r{r}.json, then wait for decode_r{r}.done
@@ -145,6 +147,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     llm = LLM(**engine_kwargs)
     start_s = time.perf_counter() - t0
     _log(f"engine ready in {start_s:.1f} s")
+    if exchange is not None:
+        (exchange / f"{role}.ready").touch()
 
     max_tokens = 1 if role == "prefill" else int(spec["max_tokens"])
 
