@@ -188,8 +188,9 @@ NIXL_CONNECTOR = ConnectorUnderTest(
     label="vllm-NixlConnector",
     kv_connector="NixlConnector",
     env={"VLLM_NIXL_SIDE_CHANNEL_HOST": "{host}", "VLLM_NIXL_SIDE_CHANNEL_PORT": "{port}"},
-    # Long enough that a slow first TP 2 forward pass never lets blocks expire.
-    extra_config={"kv_lease_duration": 300},
+    # Long enough that a slow engine start or first TP 2 forward pass on two shared
+    # cores never lets blocks expire (an expiry fails the test).
+    extra_config={"kv_lease_duration": 900},
     failure_counters=(
         "vllm:nixl_num_failed_transfers",
         "vllm:nixl_num_failed_notifications",

@@ -92,14 +92,50 @@ def _write_json(path: Path, data: Any) -> None:
     os.replace(tmp, path)
 
 
-def _wait_for(path: Path, exchange: Path, timeout_s: float, what: str) -> None:
+def _set_session_nice(nice: int) -> None:
+    """Set the scheduling weight of this engine's whole session (its autogroup).
+
+    An engine that merely waits still burns CPU: its engine loop keeps stepping
+    while it holds blocks for a peer, and NIXL progress threads spin. On a
+    two-core machine that starved a starting engine for minutes (long enough
+    for the prefill lease to lapse), so a waiting engine gives way. Each engine
+    is its own session, hence its own autogroup: per-process nice values would
+    not count across sessions. Best effort: without permission it only logs.
+    """
+    try:
+        Path("/proc/self/autogroup").write_text(str(nice))
+    except OSError as e:
+        _log(f"could not set autogroup nice {nice}: {e}")
+
+
+def _wait_for(path: Path, exchange: Path, timeout_s: float, what: str, *,
+              nice_until: Path | None = None) -> None:
+    """Wait for ``path`` (bounded; aborts on the harness's ``abort`` file).
+
+    While waiting, this engine's session runs at the lowest priority: for the
+    whole wait, or only until ``nice_until`` exists. A prefill engine must not
+    stay deprioritised while decode pulls: on this host NIXL reads need the
+    target's progress thread, so it gives way only while decode starts up.
+    """
+    if path.exists():
+        return
     deadline = time.monotonic() + timeout_s
-    while not path.exists():
-        if (exchange / "abort").exists():
-            raise Aborted(f"abort requested while waiting for {what}")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{what} ({path}) did not appear within {timeout_s:.0f} s")
-        time.sleep(0.02)
+    niced = nice_until is None or not nice_until.exists()
+    if niced:
+        _set_session_nice(19)
+    try:
+        while not path.exists():
+            if niced and nice_until is not None and nice_until.exists():
+                _set_session_nice(0)
+                niced = False
+            if (exchange / "abort").exists():
+                raise Aborted(f"abort requested while waiting for {what}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{what} ({path}) did not appear within {timeout_s:.0f} s")
+            time.sleep(0.02)
+    finally:
+        if niced:
+            _set_session_nice(0)
 
 
 def run(spec: dict[str, Any]) -> dict[str, Any]:
@@ -217,7 +253,8 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             assert exchange is not None
             _write_json(exchange / f"prefill_r{r}.json", rec)
             t_hold = time.perf_counter()
-            _wait_for(exchange / f"decode_r{r}.done", exchange, wait_timeout, f"decode round {r}")
+            _wait_for(exchange / f"decode_r{r}.done", exchange, wait_timeout, f"decode round {r}",
+                      nice_until=exchange / "decode.ready")
             rec["held_s"] = time.perf_counter() - t_hold
         elif role == "decode":
             assert exchange is not None
