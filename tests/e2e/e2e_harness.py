@@ -301,6 +301,27 @@ class EngineProcess:
         return json.loads(self.out_path.read_text())
 
 
+def set_session_nice(e: EngineProcess, nice: int) -> None:
+    """Scheduling weight of an engine's whole session (its autogroup); best effort."""
+    if e.proc is None:
+        return
+    try:
+        Path(f"/proc/{e.proc.pid}/autogroup").write_text(str(nice))
+    except OSError:
+        pass
+
+
+def _wait_file(path: Path, engines: Sequence[EngineProcess], deadline_s: float, what: str) -> None:
+    end = time.monotonic() + deadline_s
+    while not path.exists():
+        dead = [e for e in engines if e.poll() is not None]
+        if dead or time.monotonic() > end:
+            why = f"{dead[0].name} exited with {dead[0].poll()}" if dead else "deadline passed"
+            tails = "\n".join(f"----- {e.name} -----\n{e.log_tail()}" for e in engines)
+            raise EngineFailed(f"waiting for {what}: {why}\n{tails}")
+        time.sleep(0.1)
+
+
 def _wait_all(engines: Sequence[EngineProcess], exchange: Path | None, deadline_s: float,
               allowed_to_fail: Sequence[EngineProcess] = ()) -> None:
     """Wait until every engine exits; on any failure abort the others and raise."""
@@ -398,10 +419,12 @@ def run_disaggregated(
     published its transfer parameters and before the decode engine may use them;
     the prefill exit code is then not a failure, the decode one still is.
 
-    With ``stagger`` the decode engine starts only once the prefill engine is up.
-    Default: stagger when either side uses TP > 1. On two cores this matters: every
-    idle NIXL agent's progress thread spins a whole core (vLLM's NixlConnector keeps
-    it on), which starves a TP 2 engine's second rank while both engines start.
+    With ``stagger`` the decode engine starts only once prefill has published
+    round 0, and the prefill engine runs at the lowest priority until the decode
+    engine is up. Default: stagger when either side uses TP > 1. On two cores
+    this matters: a prefill engine holding blocks keeps its engine loop stepping
+    and its NIXL progress threads spinning, which starved a starting decode
+    engine for minutes (long enough for the lease to lapse).
     """
     if stagger is None:
         stagger = prefill.tp > 1 or decode.tp > 1
@@ -429,12 +452,14 @@ def run_disaggregated(
     prefill_exit: int | None = 0
     try:
         if stagger:
-            end = time.monotonic() + deadline_s
-            while not (exchange / "prefill.ready").exists():
-                if p.poll() is not None or time.monotonic() > end:
-                    raise EngineFailed(f"prefill engine did not start\n{p.log_tail()}")
-                time.sleep(0.2)
+            _wait_file(exchange / "prefill_r0.json", [p], deadline_s, "prefill round 0")
+            set_session_nice(p, 19)
         d.start()
+        if stagger:
+            try:
+                _wait_file(exchange / "decode.ready", [p, d], deadline_s, "decode engine start")
+            finally:
+                set_session_nice(p, 0)
         if kill_prefill_before_pull:
             end = time.monotonic() + deadline_s
             while not (exchange / "prefill_r0.json").exists():

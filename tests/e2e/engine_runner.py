@@ -109,32 +109,28 @@ def _set_session_nice(nice: int) -> None:
 
 
 def _wait_for(path: Path, exchange: Path, timeout_s: float, what: str, *,
-              nice_until: Path | None = None) -> None:
+              yield_cpu: bool = False) -> None:
     """Wait for ``path`` (bounded; aborts on the harness's ``abort`` file).
 
-    While waiting, this engine's session runs at the lowest priority: for the
-    whole wait, or only until ``nice_until`` exists. A prefill engine must not
-    stay deprioritised while decode pulls: on this host NIXL reads need the
-    target's progress thread, so it gives way only while decode starts up.
+    With ``yield_cpu`` this engine's session runs at the lowest priority while it
+    waits. Only decode does that: a prefill engine that waits is holding blocks
+    and must keep serving reads (on this host a NIXL READ completes only when the
+    target makes progress) and handshakes (vLLM's NixlConnector gives up after 5 s).
     """
     if path.exists():
         return
     deadline = time.monotonic() + timeout_s
-    niced = nice_until is None or not nice_until.exists()
-    if niced:
+    if yield_cpu:
         _set_session_nice(19)
     try:
         while not path.exists():
-            if niced and nice_until is not None and nice_until.exists():
-                _set_session_nice(0)
-                niced = False
             if (exchange / "abort").exists():
                 raise Aborted(f"abort requested while waiting for {what}")
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{what} ({path}) did not appear within {timeout_s:.0f} s")
             time.sleep(0.02)
     finally:
-        if niced:
+        if yield_cpu:
             _set_session_nice(0)
 
 
@@ -210,11 +206,12 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             assert exchange is not None
             src = exchange / f"prefill_r{r}.json"
             t_wait = time.perf_counter()
-            _wait_for(src, exchange, wait_timeout, f"prefill round {r}")
+            _wait_for(src, exchange, wait_timeout, f"prefill round {r}", yield_cpu=True)
             if spec.get("gate"):
                 # The harness opens the gate once it has done what the test needs
                 # between publication and pull (e.g. killed the prefill engine).
-                _wait_for(exchange / f"gate_r{r}", exchange, wait_timeout, f"gate of round {r}")
+                _wait_for(exchange / f"gate_r{r}", exchange, wait_timeout, f"gate of round {r}",
+                          yield_cpu=True)
             waited_s = time.perf_counter() - t_wait
             params = [o["kv_transfer_params"] for o in json.loads(src.read_text())["outputs"]]
             if len(params) != len(prompts) or not all(params):
@@ -253,8 +250,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             assert exchange is not None
             _write_json(exchange / f"prefill_r{r}.json", rec)
             t_hold = time.perf_counter()
-            _wait_for(exchange / f"decode_r{r}.done", exchange, wait_timeout, f"decode round {r}",
-                      nice_until=exchange / "decode.ready")
+            _wait_for(exchange / f"decode_r{r}.done", exchange, wait_timeout, f"decode round {r}")
             rec["held_s"] = time.perf_counter() - t_hold
         elif role == "decode":
             assert exchange is not None
