@@ -199,11 +199,15 @@ NIXL_CONNECTOR = ConnectorUnderTest(
     ),
     transfer_time_metric="vllm:nixl_xfer_time_seconds",
     transfer_bytes_metric="vllm:nixl_bytes_transferred",
+    # Specific messages only: the periodic "KV Transfer metrics" line also
+    # mentions expiries ("Num KV expired reqs=0") and must not count.
     failure_log_patterns=(
         r"NIXL transfer failure",
         r"compatibility hash mismatch",
-        r"[Ee]xpired",
         r"Releasing expired KV blocks",
+        r"Potentially invalid KV blocks",
+        r"Declining expired remote read",
+        r"Failing \d+ request\(s\) due to KV load failure",
     ),
     handshake_log_patterns=(
         ("get_metadata_s", r"NIXL handshake: get metadata took: ([0-9.eE+-]+)"),

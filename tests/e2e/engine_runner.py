@@ -3,7 +3,7 @@
 
     python engine_runner.py SPEC.json
 
-SPEC is a JSON object (the harness in ``harness.py`` writes it):
+SPEC is a JSON object (the harness in ``e2e_harness.py`` writes it):
 
     role            "baseline" | "prefill" | "decode"
     model           path of a local checkpoint

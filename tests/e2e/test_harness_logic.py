@@ -71,6 +71,10 @@ def test_transfer_problems_see_counters_and_log_lines() -> None:
     assert any("prefill: vllm:nixl_num_kv_expired_reqs = 1" in p for p in problems)
     assert any("decode log" in p for p in problems)
     assert failure_lines("a\nReleasing expired KV blocks for request x\n", ["expired"])
+    # The periodic stats line names the expiry counter; it is not a failure.
+    stats_line = ("INFO [metrics.py:103] KV Transfer metrics: Num successful transfers=12, "
+                  "Num failed transfers=0, Num KV expired reqs=0, Num notifs after expiry=0")
+    assert transfer_problems(_run([[]], end=[], dlog=stats_line)) == []
 
 
 def test_handshake_timings_parse_debug_lines() -> None:
