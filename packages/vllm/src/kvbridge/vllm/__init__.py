@@ -23,6 +23,12 @@ from kvbridge.vllm.params import (
     is_remote_prefill,
     prefill_request_params,
 )
+from kvbridge.vllm.scheduling import (
+    blocks_for_tokens,
+    check_remote_blocks,
+    matched_tokens,
+    tokens_to_load,
+)
 
 __all__ = [
     "CONFIG_KEYS",
@@ -35,11 +41,15 @@ __all__ = [
     "ParamsError",
     "RemotePrefill",
     "WorkerReport",
+    "blocks_for_tokens",
+    "check_remote_blocks",
     "decode_remote_prefill",
     "encode_remote_prefill",
     "is_prefill_request",
     "is_remote_prefill",
+    "matched_tokens",
     "merge_stats",
     "parse_connector_config",
     "prefill_request_params",
+    "tokens_to_load",
 ]
