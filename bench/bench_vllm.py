@@ -1,0 +1,177 @@
+#!/usr/bin/env python3
+"""Disaggregated prefill/decode benchmark with real vLLM engines, per KV connector.
+
+    .e2e/venv/bin/python bench/bench_vllm.py [--connector nixl ...] [--rounds 4] [--json out.json]
+
+For each connector (same model, same prompts, same run) it starts a prefill and a
+decode engine (separate processes, one CPU core each by default) and runs
+``--rounds`` batches of prompts through them. Per round it reports, from the
+decode engine:
+
+  * time to first token with transfer (vLLM's per-request first_token_latency:
+    arrival at decode -> first token, which includes handshake, pull and the
+    last prompt token's forward pass), mean and max over the batch;
+  * transfer count, seconds, bytes and GB/s (the connector's own metrics);
+and once per run the handshake phases parsed from the decode log, engine start
+times, and the first-request overhead = round-0 TTFT minus the median TTFT of
+the later rounds. ``--local-baseline`` adds a non-disaggregated engine's TTFT on
+the same prompts (prefill computed locally) as a reference.
+
+Needs the e2e environment (scripts/setup_e2e_env.sh). Prints figures only; it
+asserts nothing about speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "e2e"))
+
+from e2e_harness import (  # noqa: E402
+    CONNECTORS,
+    DisaggRun,
+    EngineConfig,
+    handshake_timings,
+    make_prompts,
+    missing_env_reason,
+    run_baseline,
+    run_disaggregated,
+    tiny_llama,
+    transfer_figures,
+    transfer_problems,
+)
+
+
+def _ttfts(outputs: list[dict[str, Any]]) -> list[float]:
+    return [o["metrics"]["first_token_latency"] for o in outputs if o.get("metrics")]
+
+
+def summarise(run: DisaggRun, label: str) -> dict[str, Any]:
+    rounds = []
+    for r, rec in enumerate(run.decode["rounds"]):
+        t = _ttfts(rec["outputs"])
+        figs = transfer_figures(run, r)
+        rounds.append({
+            "round": r,
+            "ttft_mean_ms": statistics.fmean(t) * 1e3 if t else None,
+            "ttft_max_ms": max(t) * 1e3 if t else None,
+            "decode_generate_ms": rec["generate_s"] * 1e3,
+            **figs,
+        })
+    later = [x["ttft_mean_ms"] for x in rounds[1:] if x["ttft_mean_ms"] is not None]
+    first = rounds[0]["ttft_mean_ms"]
+    hs = handshake_timings(run.decode_log, run.connector)
+    return {
+        "connector": label,
+        "prefill_engine_start_s": run.prefill["engine_start_s"],
+        "decode_engine_start_s": run.decode["engine_start_s"],
+        "handshake_s": {k: v for k, v in hs.items()},
+        "rounds": rounds,
+        "steady_ttft_ms": statistics.median(later) if later else None,
+        "first_request_overhead_ms": (first - statistics.median(later)) if later and first else None,
+        "problems": transfer_problems(run),
+    }
+
+
+def _fmt(v: Any, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def print_report(results: list[dict[str, Any]], meta: dict[str, Any]) -> None:
+    print(f"\nmodel: {meta['model_desc']}; {meta['num_prompts']} prompts x {meta['prompt_len']} "
+          f"tokens; KV per round {meta['kv_bytes_per_round'] / 2**20:.1f} MiB")
+    if meta.get("local_ttft_ms") is not None:
+        print(f"local (no disaggregation) TTFT mean: {meta['local_ttft_ms']:.1f} ms")
+    for res in results:
+        print(f"\n== {res['connector']} ==  engine start P {res['prefill_engine_start_s']:.1f} s, "
+              f"D {res['decode_engine_start_s']:.1f} s")
+        for k, v in res["handshake_s"].items():
+            print(f"  handshake {k}: " + ", ".join(f"{x * 1e3:.1f} ms" for x in v))
+        print("  round  TTFT mean  TTFT max   xfers  xfer ms   MiB      GB/s")
+        for r in res["rounds"]:
+            print(f"  {r['round']:5d}  {_fmt(r['ttft_mean_ms'], '8.1f')}  {_fmt(r['ttft_max_ms'], '8.1f')}"
+                  f"  {_fmt(r.get('transfers'), '6.0f')}  {_fmt((r.get('transfer_s') or 0) * 1e3, '7.2f')}"
+                  f"  {_fmt((r.get('bytes') or 0) / 2**20, '7.2f')}  {_fmt(r.get('GB/s'), '7.2f')}")
+        print(f"  steady TTFT (median of rounds >= 1): {_fmt(res['steady_ttft_ms'], '.1f')} ms; "
+              f"first-request overhead: {_fmt(res['first_request_overhead_ms'], '.1f')} ms")
+        if res["problems"]:
+            print("  PROBLEMS: " + "; ".join(res["problems"]))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--connector", action="append", choices=sorted(CONNECTORS),
+                    help="connector(s) to measure, in order (default: all known)")
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--num-prompts", type=int, default=4)
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--max-tokens", type=int, default=4)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--kv-cache-mib", type=int, default=256,
+                    help="KV cache per engine (must hold one round)")
+    ap.add_argument("--prefill-tp", type=int, default=1)
+    ap.add_argument("--decode-tp", type=int, default=1)
+    ap.add_argument("--local-baseline", action="store_true",
+                    help="also measure a non-disaggregated engine's TTFT")
+    ap.add_argument("--workdir", type=Path, default=None)
+    ap.add_argument("--json", type=Path, default=None, help="write all figures here")
+    args = ap.parse_args(argv)
+
+    reason = missing_env_reason()
+    if reason:
+        print(reason, file=sys.stderr)
+        return 2
+    names = args.connector or sorted(CONNECTORS)
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="kvb-bench-"))
+    model = tiny_llama(args.kv_heads, layers=args.layers, heads=args.heads,
+                       head_dim=args.head_dim, intermediate=2 * args.heads * args.head_dim)
+    prompts = make_prompts([args.prompt_len] * args.num_prompts, seed=7)
+    kv_bytes = 2 * args.layers * args.kv_heads * args.head_dim * 4 * args.prompt_len * args.num_prompts
+    engine_kw = {"kv_cache_memory_bytes": args.kv_cache_mib * 2**20,
+                 "max_model_len": max(1024, args.prompt_len + args.max_tokens + 32)}
+    cpus = {1: None, 2: "0|1"}
+    meta: dict[str, Any] = {
+        "model_desc": f"{args.layers} layers, {args.kv_heads} KV heads x {args.head_dim}, fp32",
+        "num_prompts": args.num_prompts, "prompt_len": args.prompt_len,
+        "kv_bytes_per_round": kv_bytes, "rounds": args.rounds, "workdir": str(workdir),
+    }
+    if args.local_baseline:
+        base = run_baseline(model, prompts, args.max_tokens, workdir / "local",
+                            engine=EngineConfig(cpus="0", engine=engine_kw))
+        t = _ttfts(base.result["rounds"][0]["outputs"])
+        meta["local_ttft_ms"] = statistics.fmean(t) * 1e3
+        meta["local_engine_start_s"] = base.result["engine_start_s"]
+    results = []
+    for name in names:
+        t0 = time.perf_counter()
+        run = run_disaggregated(
+            CONNECTORS[name], model, prompts, args.max_tokens, workdir / name,
+            prefill=EngineConfig(tp=args.prefill_tp, cpus=cpus[args.prefill_tp] or "0",
+                                 engine=engine_kw),
+            decode=EngineConfig(tp=args.decode_tp, cpus=cpus[args.decode_tp] or "1",
+                                engine=engine_kw),
+            rounds=args.rounds, timings=True,
+        )
+        res = summarise(run, CONNECTORS[name].label)
+        res["wall_s"] = time.perf_counter() - t0
+        results.append(res)
+    print_report(results, meta)
+    if args.json:
+        args.json.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+        print(f"\nfigures written to {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,108 @@
+"""Configuration parsing from kv_connector_extra_config and the environment."""
+
+from __future__ import annotations
+
+import pytest
+from kvbridge.vllm.config import CONFIG_KEYS, ConfigError, ConnectorConfig, parse_connector_config
+
+
+def test_defaults_without_extra_config_or_env() -> None:
+    cfg = parse_connector_config(None, env={})
+    assert cfg == ConnectorConfig(heartbeat_seconds=120.0 / 4)
+    assert cfg.mode == "pull" and cfg.backends == ("UCX",) and cfg.enforce_compat is True
+
+
+def test_unknown_key_names_every_valid_key() -> None:
+    with pytest.raises(ConfigError) as e:
+        parse_connector_config({"lease_secs": 5, "mode": "pull"}, env={})
+    msg = str(e.value)
+    assert "'lease_secs'" in msg
+    for k in CONFIG_KEYS:
+        assert k.key in msg
+
+
+def test_extra_config_overrides_env_and_env_overrides_default() -> None:
+    env = {"KVBRIDGE_LEASE_SECONDS": "40", "KVBRIDGE_MODE": "push", "KVBRIDGE_UCX_THREADS": "3"}
+    cfg = parse_connector_config({"lease_seconds": 8}, env=env)
+    assert cfg.lease_seconds == 8.0  # key wins over env
+    assert cfg.mode == "push"  # env wins over default
+    assert cfg.ucx_threads == 3
+    assert cfg.heartbeat_seconds == 2.0  # lease / 4
+
+
+def test_side_channel_falls_back_to_vllm_nixl_env_after_kvbridge_env() -> None:
+    env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "10.0.0.7", "VLLM_NIXL_SIDE_CHANNEL_PORT": "6000"}
+    cfg = parse_connector_config({}, env=env)
+    assert (cfg.side_channel_host, cfg.side_channel_port) == ("10.0.0.7", 6000)
+    env["KVBRIDGE_SIDE_CHANNEL_PORT"] = "7000"
+    assert parse_connector_config({}, env=env).side_channel_port == 7000
+    # An empty variable counts as unset.
+    env["KVBRIDGE_SIDE_CHANNEL_HOST"] = "  "
+    assert parse_connector_config({}, env=env).side_channel_host == "10.0.0.7"
+
+
+@pytest.mark.parametrize(
+    ("extra", "fragment"),
+    [
+        ({"mode": "pool"}, "'pull' or 'push'"),
+        ({"backends": []}, "at least one backend"),
+        ({"backends": 5}, "list of backend names"),
+        ({"backends": ["UCX", "UCX"]}, "twice"),
+        ({"ucx_threads": -1}, "[0, 64]"),
+        ({"ucx_threads": 1.5}, "integer"),
+        ({"ucx_threads": True}, "integer"),
+        ({"lease_seconds": 0}, "positive"),
+        ({"lease_seconds": float("inf")}, "positive finite"),
+        ({"lease_seconds": "soon"}, "number of seconds"),
+        ({"enforce_compat": "maybe"}, "boolean"),
+        ({"side_channel_port": 70000}, "[1, 65535]"),
+        ({"side_channel_host": "a b"}, "host name"),
+        ({"lease_seconds": 10, "heartbeat_seconds": 10}, "shorter than lease_seconds"),
+    ],
+)
+def test_bad_values_are_rejected_with_the_key_named(extra: dict, fragment: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        parse_connector_config(extra, env={})
+    assert fragment in str(e.value)
+    assert "kv_connector_extra_config" in str(e.value)
+
+
+def test_backends_string_is_a_comma_list() -> None:
+    assert parse_connector_config({"backends": "UCX"}, env={}).backends == ("UCX",)
+
+
+def test_bad_env_value_names_the_variable() -> None:
+    with pytest.raises(ConfigError, match="KVBRIDGE_SIDE_CHANNEL_PORT"):
+        parse_connector_config({}, env={"KVBRIDGE_SIDE_CHANNEL_PORT": "http"})
+
+
+def test_env_strings_are_parsed_per_type() -> None:
+    cfg = parse_connector_config(
+        {}, env={"KVBRIDGE_BACKENDS": "UCX, POSIX", "KVBRIDGE_ENFORCE_COMPAT": "no",
+                 "KVBRIDGE_HEARTBEAT_SECONDS": "2.5"},
+    )
+    assert cfg.backends == ("UCX", "POSIX")
+    assert cfg.enforce_compat is False
+    assert cfg.heartbeat_seconds == 2.5
+
+
+def test_round_trip_through_extra_config() -> None:
+    cfg = parse_connector_config(
+        {"mode": "push", "backends": ["UCX"], "lease_seconds": 9, "side_channel_port": 7100},
+        env={},
+    )
+    assert parse_connector_config(cfg.to_extra_config(), env={}) == cfg
+
+
+def test_port_for_data_parallel_index() -> None:
+    cfg = parse_connector_config({"side_channel_port": 65534}, env={})
+    assert cfg.port_for(0) == 65534 and cfg.port_for(1) == 65535
+    with pytest.raises(ConfigError, match="exceeds 65535"):
+        cfg.port_for(2)
+    with pytest.raises(ConfigError):
+        cfg.port_for(-1)
+
+
+def test_reads_os_environ_when_env_not_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVBRIDGE_LEASE_SECONDS", "77")
+    assert parse_connector_config({}).lease_seconds == 77.0

@@ -1,0 +1,91 @@
+"""pytest wiring for the real-vLLM end-to-end tests (see e2e_harness.py).
+
+Run inside the e2e environment: ``.e2e/venv/bin/python -m pytest tests/e2e``
+(after ``scripts/setup_e2e_env.sh``). Anywhere else every test here is skipped
+with the reason. Engines are separate processes; at most two run at a time.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from e2e_harness import (
+    DEFAULT_MAX_TOKENS,
+    DEFAULT_PROMPT_LENGTHS,
+    EngineConfig,
+    make_prompts,
+    missing_env_reason,
+    run_baseline,
+    tiny_llama,
+)
+
+_REASON: list[str | None] = []
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "e2e: runs real vLLM engines (needs scripts/setup_e2e_env.sh)")
+
+
+def _reason() -> str | None:
+    if not _REASON:
+        _REASON.append(missing_env_reason())
+    return _REASON[0]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    here = Path(__file__).parent
+    for item in items:
+        path = Path(str(item.fspath))
+        # test_harness_logic.py checks the harness's own logic and needs no engine.
+        if path.parent == here and path.name != "test_harness_logic.py":
+            item.add_marker(pytest.mark.e2e)
+            reason = _reason()
+            if reason:
+                item.add_marker(pytest.mark.skip(reason=reason))
+
+
+@pytest.fixture(scope="session")
+def e2e_workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    keep = os.environ.get("KVB_E2E_WORKDIR")
+    if keep:
+        p = Path(keep)
+        p.mkdir(parents=True, exist_ok=True)
+        return p
+    return tmp_path_factory.mktemp("e2e")
+
+
+@pytest.fixture(scope="session")
+def prompts() -> list[list[int]]:
+    return make_prompts(DEFAULT_PROMPT_LENGTHS, seed=1234)
+
+
+@pytest.fixture(scope="session")
+def model_kv2() -> Path:
+    return tiny_llama(kv_heads=2)
+
+
+@pytest.fixture(scope="session")
+def model_kv4() -> Path:
+    return tiny_llama(kv_heads=4)
+
+
+def _baseline(model: Path, prompts: list[list[int]], workdir: Path) -> list[list[int]]:
+    run = run_baseline(model, prompts, DEFAULT_MAX_TOKENS, workdir, engine=EngineConfig(cpus="0"))
+    tokens = run.tokens
+    assert len(tokens) == len(prompts)
+    assert all(len(t) == DEFAULT_MAX_TOKENS for t in tokens), tokens
+    # Different prompts give different continuations: the model is not degenerate.
+    assert len({tuple(t) for t in tokens}) == len(tokens), tokens
+    return tokens
+
+
+@pytest.fixture(scope="session")
+def baseline_kv2(model_kv2: Path, prompts: list[list[int]], e2e_workdir: Path) -> list[list[int]]:
+    return _baseline(model_kv2, prompts, e2e_workdir / "baseline-kv2")
+
+
+@pytest.fixture(scope="session")
+def baseline_kv4(model_kv4: Path, prompts: list[list[int]], e2e_workdir: Path) -> list[list[int]]:
+    return _baseline(model_kv4, prompts, e2e_workdir / "baseline-kv4")
