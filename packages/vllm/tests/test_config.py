@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from kvbridge.vllm.config import CONFIG_KEYS, ConfigError, ConnectorConfig, parse_connector_config
 
 

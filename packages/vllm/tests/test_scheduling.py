@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+
 from kvbridge.vllm.params import ParamsError, RemotePrefill, prefill_request_params
 from kvbridge.vllm.scheduling import (
     blocks_for_tokens,
