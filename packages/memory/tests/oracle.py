@@ -57,6 +57,19 @@ class Case:
     strided: bool = False
     seed: int = 0
     device: str = "cpu"
+    #: per-side overrides of ``layout`` / ``cross_layer`` (mixed-layout pairs)
+    p_layout: Layout | None = None
+    d_layout: Layout | None = None
+    p_cross: bool | None = None
+    d_cross: bool | None = None
+
+    def side_layout(self, side: str) -> Layout:
+        own = self.p_layout if side == "p" else self.d_layout
+        return self.layout if own is None else own
+
+    def side_cross(self, side: str) -> bool:
+        own = self.p_cross if side == "p" else self.d_cross
+        return self.cross_layer if own is None else own
 
     def spec(self, side: str) -> EngineSpec:
         tp = self.p_tp if side == "p" else self.d_tp
@@ -72,11 +85,11 @@ class Case:
             block_size=self.p_block if side == "p" else self.d_block,
             dtype="fp32",
             kernel_blocks_per_block=self.p_kernel if side == "p" else self.d_kernel,
-            layout=self.layout,
+            layout=self.side_layout(side),
             head_order=self.p_order if side == "p" else self.d_order,
             use_mla=self.mla,
             mamba=self.mamba,
-            cross_layer=self.cross_layer,
+            cross_layer=self.side_cross(side),
             **extra,
         )
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -9,7 +11,14 @@ from hypothesis import strategies as st
 
 from kvbridge.memory import MemoryLayoutError, RegionGeometry, kernel_spec, rank_descriptors
 from kvbridge.memory.descriptors import expand_strided
-from kvbridge.topology import EngineSpec, HeadOrder, kernel_block_ids, match_units, plan_rank
+from kvbridge.topology import (
+    EngineSpec,
+    HeadOrder,
+    Layout,
+    kernel_block_ids,
+    match_units,
+    plan_rank,
+)
 
 
 def spec(eid, tp, bs, n=1, order=HeadOrder.HND, K=8, layers=3):
@@ -140,5 +149,12 @@ def test_bad_ids_and_peers_are_refused():
     with pytest.raises(MemoryLayoutError, match="no Mamba state"):
         rd.indices([1], [1], group="mamba")
     other = spec("p", 4, 16, layers=2)
-    with pytest.raises(MemoryLayoutError, match="same KV-cache layout"):
+    with pytest.raises(MemoryLayoutError, match="must describe the same layers"):
         rank_descriptors(plan, 0, lg, geo(other, 10, 1 << 32))
+    # elements whose roles are unknown cannot pair across different layouts
+    bfs = replace(spec("p", 4, 16), layout=Layout.BLOCKS_FIRST)
+    blen = bfs.region_block_bytes
+    bf = RegionGeometry.from_remote(bfs, [(1 << 32) + i * 10 * blen for i in range(3)], 10, blen)
+    assert len(rank_descriptors(plan, 0, lg, bf).remote_rows) > 0  # roles known: pairs
+    with pytest.raises(MemoryLayoutError, match="same KV-cache layout"):
+        rank_descriptors(plan, 0, lg, replace(bf, element_roles=()))

@@ -54,6 +54,22 @@ PINNED = {
                                      mamba=_mamba(n_groups=4), strided=True),
     "mamba_kernel_split": Case(K=4, p_tp=4, d_tp=2, layout=Layout.BLOCKS_FIRST, p_block=8,
                                d_block=8, p_kernel=2, d_kernel=2, mamba=_mamba(), tokens=20),
+    # different layouts on the two sides: elements pair by (layer, kind)
+    "blocks_first_to_kv_first": Case(K=4, p_tp=2, d_tp=2, p_layout=Layout.BLOCKS_FIRST,
+                                     d_layout=Layout.KV_FIRST, strided=True),
+    "kv_first_to_blocks_first_tp": Case(K=8, p_tp=8, d_tp=2, p_layout=Layout.KV_FIRST,
+                                        d_layout=Layout.BLOCKS_FIRST),
+    "blocks_first_to_kv_first_block_ratio": Case(K=4, p_tp=2, d_tp=4, p_block=2, d_block=8,
+                                                 p_layout=Layout.BLOCKS_FIRST,
+                                                 d_layout=Layout.KV_FIRST, skip_blocks=1,
+                                                 tokens=21),
+    "kv_first_kernel_split_to_blocks_first": Case(K=4, p_tp=4, d_tp=2, p_kernel=2, p_block=8,
+                                                  d_block=4, p_layout=Layout.KV_FIRST,
+                                                  d_layout=Layout.BLOCKS_FIRST, d_order=N),
+    "cross_layer_to_kv_first": Case(K=4, p_tp=2, d_tp=4, layout=Layout.BLOCKS_FIRST,
+                                    p_cross=True, d_cross=False, d_layout=Layout.KV_FIRST),
+    "kv_first_to_cross_layer": Case(K=4, p_tp=4, d_tp=2, p_layout=Layout.KV_FIRST,
+                                    d_layout=Layout.BLOCKS_FIRST, d_cross=True, strided=True),
 }
 
 
@@ -82,6 +98,13 @@ def cases(draw) -> Case:
         layout = Layout.KV_FIRST
     else:
         layout = draw(st.sampled_from([Layout.KV_FIRST, Layout.BLOCKS_FIRST]))
+    # the two sides' layouts drawn independently (elements pair by (layer, kind))
+    d_layout = layout
+    if kind in ("attn", "cross"):
+        d_layout = draw(st.sampled_from([Layout.KV_FIRST, Layout.BLOCKS_FIRST]))
+    p_cross = d_cross = kind == "cross"
+    if kind == "cross":
+        p_cross, d_cross = draw(st.sampled_from([(True, True), (True, False), (False, True)]))
     p_block = draw(st.sampled_from([2, 4, 8]))
     d_block = p_block if kind in ("mamba", "cross") else draw(st.sampled_from([2, 4, 8]))
     p_kernel = draw(st.sampled_from([k for k in (1, 2) if p_block % (2 * k) == 0] or [1]))
@@ -100,6 +123,7 @@ def cases(draw) -> Case:
         p_order=draw(st.sampled_from([H, N])), d_order=draw(st.sampled_from([H, N])),
         p_block=p_block, d_block=d_block, p_kernel=p_kernel, d_kernel=d_kernel, mla=mla,
         cross_layer=kind == "cross", mamba=mamba, tokens=tokens,
+        p_layout=layout, d_layout=d_layout, p_cross=p_cross, d_cross=d_cross,
         skip_blocks=draw(st.integers(0, d_blocks)) if draw(st.booleans()) else 0,
         mamba_remote_pages=draw(st.integers(1, 2)), mamba_local_pages=1,
         strided=draw(st.booleans()), seed=draw(st.integers(0, 2**16)),
@@ -118,6 +142,9 @@ def test_oracle_grid(case):
     stats = run_case(case)
     kind = "mla" if case.mla else "mamba" if case.mamba else "cross" if case.cross_layer else "attn"
     event(f"kind={kind}")
+    mixed = (case.side_layout("p"), case.side_cross("p")) != (case.side_layout("d"),
+                                                               case.side_cross("d"))
+    event(f"mixed_layout={mixed}")
     event(f"post_process={stats['post']}")
     event(f"block_ratio={case.p_block != case.d_block}")
     event(f"prefix_hit={case.skip_blocks > 0}")

@@ -229,6 +229,42 @@ def _rows(addr: np.ndarray, length: np.ndarray, device: int, stride: np.ndarray,
     return out
 
 
+def _pair_roles(local: RegionGeometry, remote: RegionGeometry, hybrid: bool) -> np.ndarray:
+    """For each local (region, element), region-major: the remote (region, element) index
+    holding the same (layer, kind). Same layout on both sides pairs positionally."""
+    n_local = local.num_regions * local.elements_per_block
+    n_remote = remote.num_regions * remote.elements_per_block
+    same_shape = (local.num_regions == remote.num_regions
+                  and local.elements_per_block == remote.elements_per_block)
+    if same_shape and (not local.element_roles or not remote.element_roles
+                       or local.element_roles == remote.element_roles):
+        return np.arange(n_local, dtype=np.int64)
+    if hybrid and not same_shape:
+        raise MemoryLayoutError(
+            f"hybrid Mamba engines need the same cache layout on both sides (local "
+            f"{local.num_regions} regions x {local.elements_per_block} elements, remote "
+            f"{remote.num_regions} x {remote.elements_per_block}); Mamba state is paired per region"
+        )
+    if not local.element_roles or not remote.element_roles:
+        raise MemoryLayoutError(
+            f"local cache has {local.num_regions} regions x {local.elements_per_block} elements but "
+            f"the remote has {remote.num_regions} x {remote.elements_per_block}, and the (layer, kind) "
+            "of every element is not known on both sides (elements shared by several layers); use "
+            "the same KV-cache layout on both engines"
+        )
+    where = {role: i for i, role in enumerate(remote.element_roles)}
+    if len(where) != n_remote or len(set(local.element_roles)) != n_local:
+        raise MemoryLayoutError("a (layer, kind) role appears twice in one cache; roles must be unique")
+    missing = [role for role in local.element_roles if role not in where]
+    if missing or n_local != n_remote:
+        raise MemoryLayoutError(
+            f"the engines hold different (layer, kind) elements (local {n_local}, remote {n_remote}; "
+            f"missing remotely: {missing[:4]}); both engines must describe the same layers, "
+            "MLA or not"
+        )
+    return np.asarray([where[role] for role in local.element_roles], dtype=np.int64)
+
+
 def rank_descriptors(
     plan: RankPlan,
     remote_rank: int,
@@ -246,12 +282,7 @@ def rank_descriptors(
             f"remote rank {remote_rank} is not a peer of local rank {plan.local_rank} "
             f"(handshake ranks {plan.handshake_ranks})"
         )
-    if local.num_regions != remote.num_regions or local.elements_per_block != remote.elements_per_block:
-        raise MemoryLayoutError(
-            f"local cache has {local.num_regions} regions x {local.elements_per_block} elements but "
-            f"the remote has {remote.num_regions} x {remote.elements_per_block}; both engines must "
-            "use the same KV-cache layout and layer count"
-        )
+    remote_role_order = _pair_roles(local, remote, plan.mamba is not None)
     ut = plan.unit_tokens
     lu = _units(local.kernel_block_tokens, ut, "local")
     ru = _units(remote.kernel_block_tokens, ut, "remote")
@@ -270,26 +301,30 @@ def rank_descriptors(
                 "engines that own these regions)"
             )
     reads = plan.reads_from(remote_rank)
-    nreg, nel, nrd = local.num_regions, local.elements_per_block, len(reads)
-    # attention rows: (region, element, read, unit), unit fastest
+    nreg, nrd = local.num_regions, len(reads)
+    nroles = local.num_regions * local.elements_per_block
+    # attention rows: (role, read, unit), unit fastest; roles in local region-major order
     l_read_off = np.array([r.local_offset for r in reads], dtype=np.int64)
     r_read_off = np.array([r.remote_offset for r in reads], dtype=np.int64)
     lengths = np.array([r.length for r in reads], dtype=np.int64)
 
-    def attn(geo: RegionGeometry, units: int, unit_bytes: int, read_off: np.ndarray) -> np.ndarray:
-        base = np.asarray(geo.base_addrs, dtype=np.int64)[:, None, None, None]
-        elem = np.asarray(geo.element_offsets, dtype=np.int64)[None, :, None, None]
-        roff = read_off[None, None, :, None]
-        uoff = (np.arange(units, dtype=np.int64) * unit_bytes)[None, None, None, :]
-        addr = (base + elem + roff + uoff).reshape(-1)
-        shape = (nreg, nel, nrd, units)
-        length = np.broadcast_to(lengths[None, None, :, None], shape).reshape(-1)
-        stride = np.broadcast_to(
-            np.asarray(geo.kernel_strides, dtype=np.int64)[:, None, None, None], shape).reshape(-1)
+    def attn(geo: RegionGeometry, order: np.ndarray, units: int, unit_bytes: int,
+             read_off: np.ndarray) -> np.ndarray:
+        nel = geo.elements_per_block
+        role_base = (np.asarray(geo.base_addrs, dtype=np.int64)[:, None]
+                     + np.asarray(geo.element_offsets, dtype=np.int64)[None, :]).reshape(-1)[order]
+        role_stride = np.repeat(np.asarray(geo.kernel_strides, dtype=np.int64), nel)[order]
+        roff = read_off[None, :, None]
+        uoff = (np.arange(units, dtype=np.int64) * unit_bytes)[None, None, :]
+        addr = (role_base[:, None, None] + roff + uoff).reshape(-1)
+        shape = (nroles, nrd, units)
+        length = np.broadcast_to(lengths[None, :, None], shape).reshape(-1)
+        stride = np.broadcast_to(role_stride[:, None, None], shape).reshape(-1)
         return _rows(addr, length, geo.device_id, stride, geo.num_kernel_blocks)
 
-    l_rows = [attn(local, lu, plan.local_unit_bytes, l_read_off)]
-    r_rows = [attn(remote, ru, plan.remote_unit_bytes, r_read_off)]
+    local_order = np.arange(nroles, dtype=np.int64)
+    l_rows = [attn(local, local_order, lu, plan.local_unit_bytes, l_read_off)]
+    r_rows = [attn(remote, remote_role_order, ru, plan.remote_unit_bytes, r_read_off)]
     mamba_rows = 0
     if plan.mamba is not None:
         pieces = [p for p in plan.mamba.mamba_pieces if p.remote_rank == remote_rank]
@@ -317,7 +352,7 @@ def rank_descriptors(
         remote_rank=remote_rank,
         local_rows=np.concatenate(l_rows),
         remote_rows=np.concatenate(r_rows),
-        attn_keys=nreg * nel * nrd,
+        attn_keys=nroles * nrd,
         local_units=lu,
         remote_units=ru,
         local_kernel_blocks=local.num_kernel_blocks,

@@ -63,7 +63,11 @@ class RegionGeometry:
     blocks of region ``i``; a logical block holds ``kernel_blocks_per_block``
     kernel blocks of ``block_stride // kernel_blocks_per_block`` bytes each, and
     each kernel block holds elements of ``element_bytes`` at ``element_offsets``.
-    ``block_tokens`` is the logical block size in tokens.
+    ``block_tokens`` is the logical block size in tokens. ``element_roles``
+    gives the ``(layer, kind)`` of every (region, element) pair, region-major
+    (empty when unknown, e.g. elements shared by several layers); descriptor
+    building pairs the two sides' elements by these roles, so engines with
+    different layouts (kv-first, blocks-first, cross-layer) line up.
     """
 
     base_addrs: tuple[int, ...]
@@ -75,10 +79,17 @@ class RegionGeometry:
     element_offsets: tuple[int, ...]
     device_id: int = 0
     mem_type: str = "VRAM"
+    element_roles: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
         if not self.base_addrs:
             raise MemoryLayoutError("a geometry needs at least one region")
+        if self.element_roles and len(self.element_roles) != (
+                len(self.base_addrs) * len(self.element_offsets)):
+            raise MemoryLayoutError(
+                f"{len(self.element_roles)} element roles for {len(self.base_addrs)} regions x "
+                f"{len(self.element_offsets)} elements; give one (layer, kind) per region element"
+            )
         if len(self.block_strides) != len(self.base_addrs):
             raise MemoryLayoutError(
                 f"{len(self.base_addrs)} base addresses but {len(self.block_strides)} block strides; "
@@ -159,6 +170,7 @@ class RegionGeometry:
             element_offsets=first.element_offsets,
             device_id=regions.device_id,
             mem_type=regions.mem_type,
+            element_roles=_single_roles(regs),
         )
 
     @classmethod
@@ -197,4 +209,16 @@ class RegionGeometry:
             element_offsets=lay.element_offsets,
             device_id=int(device_id),
             mem_type=mem_type,
+            element_roles=lay.element_roles,
         )
+
+
+def _single_roles(regs) -> tuple[tuple[int, int], ...]:
+    """Region-major roles when every element holds exactly one (layer, kind), else ()."""
+    out: list[tuple[int, int]] = []
+    for r in regs:
+        for roles in r.roles:
+            if len(roles) != 1:
+                return ()
+            out.append(tuple(roles[0]))
+    return tuple(out)
