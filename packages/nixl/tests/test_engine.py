@@ -12,11 +12,12 @@ from dataclasses import replace
 import pytest
 
 from kvbridge.handshake import new_incarnation
+from kvbridge.memory import kernel_spec
 from kvbridge.nixl.agent import AgentConfig
 from kvbridge.nixl.engine import DecodeEngine, EngineConfig, PrefillEngine, TransferParams
 from kvbridge.nixl.ledger import FailureKind
 from kvbridge.nixl.synthetic import SyntheticCache, logical_kv
-from kvbridge.topology import EngineSpec
+from kvbridge.topology import EngineSpec, kernel_block_ids
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -28,17 +29,19 @@ CFG = EngineConfig(agent=AgentConfig(num_threads=0), lease_s=30, handshake_timeo
 
 
 class Pair:
-    def __init__(self, cfg: EngineConfig = CFG, p_spec: EngineSpec = P):
+    def __init__(self, cfg: EngineConfig = CFG, p_spec: EngineSpec = P, d_spec: EngineSpec = D):
         self.cfg = cfg
         self.p_spec = p_spec
-        self.dc = SyntheticCache.allocate(D, 0, NB)
-        self.dec = DecodeEngine(D, 0, self.dc.geometry(), cfg)
+        # the cache is allocated per kernel block; a kernel-split engine describes it as such
+        n = d_spec.kernel_blocks_per_block
+        self.dc = SyntheticCache.allocate(kernel_spec(d_spec), 0, NB * n)
+        self.dec = DecodeEngine(d_spec, 0, self.dc.cache_regions(d_spec), cfg)
         self.start_prefill()
 
     def start_prefill(self):
         inc = new_incarnation()
         self.pc = [SyntheticCache.allocate(self.p_spec, r, NB) for r in range(self.p_spec.tp_size)]
-        self.pre = [PrefillEngine(self.p_spec, r, self.pc[r].geometry(), self.cfg, incarnation=inc)
+        self.pre = [PrefillEngine(self.p_spec, r, self.pc[r].cache_regions(), self.cfg, incarnation=inc)
                     for r in range(self.p_spec.tp_size)]
         srv = self.pre[0].serve()
         for e in self.pre[1:]:
@@ -235,12 +238,50 @@ def test_push_mode_in_process():
         pair.close()
 
 
+def test_kernel_split_decode_blocks_receive_every_byte():
+    """Decode blocks of 32 tokens, each two 16-token kernel blocks, from 16-token prefill blocks."""
+    d_split = replace(D, block_size=32, kernel_blocks_per_block=2)
+    pair = Pair(d_spec=d_split)
+    try:
+        params = pair.hold("a", [1, 2, 6, 7], seed=4)
+        pair.dec.load("a", params, [3, 5])
+        done, failed, released = pair.run(lambda d, f, r: d and len(r) == 2)
+        assert done == ["a"] and not failed
+        kernel_ids = kernel_block_ids([3, 5], 2)
+        assert list(kernel_ids) == [6, 7, 10, 11]
+        assert pair.dc.verify(logical_kv(P, 4, 64), list(kernel_ids), 0, 64) == 0
+        untouched = [b for b in range(2 * NB) if b not in set(kernel_ids)]
+        assert all(int(t[untouched].count_nonzero()) == 0 for t in pair.dc.regions)
+    finally:
+        pair.close()
+
+
+def test_block_size_mismatch_is_post_processed_by_the_engine():
+    """8-token prefill blocks into 16-token HND decode blocks with 4 heads: the engine rearranges."""
+    p8 = replace(P, block_size=8)
+    pair = Pair(p_spec=p8)
+    try:
+        kv = logical_kv(p8, 7, 32)
+        for c in pair.pc:
+            c.fill(kv, [5, 0, 9, 2])
+        params = pair.pre[0].hold("a", [5, 0, 9, 2])
+        pair.pre[1].hold("a", [5, 0, 9, 2], params.token)
+        pair.dec.load("a", params, [4, 11])
+        done, failed, _ = pair.run(lambda d, f, r: d)
+        assert done == ["a"] and not failed
+        assert pair.dc.verify(kv, [4, 11], 0, 32) == 0
+    finally:
+        pair.close()
+
+
 def test_unsupported_cache_shapes_are_refused_with_a_reason():
-    from kvbridge.topology import TopologyError
+    from kvbridge.memory import MemoryLayoutError
 
     spec = replace(D, block_size=32, kernel_blocks_per_block=2)
-    cache = SyntheticCache.allocate(D, 0, 4)
-    with pytest.raises(TopologyError, match="kernel_blocks_per_block=1"):
-        DecodeEngine(spec, 0, cache.geometry(), CFG)
+    cache = SyntheticCache.allocate(D, 0, 5)  # 5 kernel blocks: not whole 2-kernel-block blocks
+    with pytest.raises(MemoryLayoutError, match="kernel_blocks_per_block"):
+        DecodeEngine(spec, 0, cache.cache_regions(spec), CFG)
+    with pytest.raises(ValueError, match="another description"):
+        DecodeEngine(spec, 0, cache.cache_regions(), CFG)
     with pytest.raises(ValueError, match="outside TP size"):
-        DecodeEngine(D, 1, cache.geometry(), CFG)
+        DecodeEngine(D, 1, cache.cache_regions(), CFG)

@@ -27,14 +27,15 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import replace
 
 import numpy as np
 
-from kvbridge.topology import EngineSpec, element_layout
+from kvbridge.memory import RegionGeometry, rank_descriptors
+from kvbridge.topology import EngineSpec, element_layout, plan_rank
 
 from .agent import AgentConfig, NixlAgent
 from .engine import EngineConfig
-from .geometry import CacheGeometry, Side, strided_descs
 from .harness import Cluster
 
 KEYS = ("memcpy_gbps", "transfer_gbps_contiguous", "transfer_gbps_fragmented", "first_request_ms",
@@ -75,8 +76,14 @@ def _transfer_gbps(cluster: Cluster, tag: str, requests: int, blocks: int, fragm
     return statistics.median(rates)
 
 
-def desc_prep(regions: int = 160, num_blocks: int = 2048, element_bytes: int = 4096) -> tuple[float, float]:
-    """(kvbridge ms, naive ms) to build and prepare a local list of every block of every region."""
+def desc_prep(layers: int = 80, num_blocks: int = 2048) -> tuple[float, float]:
+    """(kvbridge ms, naive ms) to build and prepare a local list of every block of every region.
+
+    kvbridge: ``kvbridge.memory.rank_descriptors`` strided rows (what the engine prepares).
+    """
+    spec = EngineSpec("bench-desc", 8, 8, 128, layers, 16, "bf16")  # 1 KV head of 128 per rank
+    element_bytes = spec.region_block_bytes
+    regions = element_layout(spec).regions
     agent = NixlAgent("kvbridge-bench-desc", AgentConfig(num_threads=0, telemetry=False))
     try:
         region_bytes = num_blocks * element_bytes
@@ -84,11 +91,13 @@ def desc_prep(regions: int = 160, num_blocks: int = 2048, element_bytes: int = 4
         base = buf.ctypes.data
         bases = tuple(base + i * region_bytes for i in range(regions))
         agent.register(np.array([[base, buf.nbytes, 0]], dtype=np.uint64))
-        geom = CacheGeometry(bases, num_blocks, element_bytes, (0,), element_bytes)
+        geom = RegionGeometry.from_remote(spec, bases, num_blocks, element_bytes, mem_type="DRAM")
+        plan = plan_rank(spec, replace(spec, engine_id="bench-desc-peer"), 0)
         fast, naive = [], []
         for _ in range(3):
             t = time.perf_counter()
-            lst = agent.prepare(None, strided_descs(Side(geom, 1, element_bytes), [(0, element_bytes)]))
+            rows = rank_descriptors(plan, 0, geom, geom).local_descs(strided=True)
+            lst = agent.prepare(None, rows)
             fast.append(time.perf_counter() - t)
             lst.release()
             t = time.perf_counter()

@@ -39,19 +39,18 @@ from kvbridge.handshake import (
     fetch_metadata,
     new_incarnation,
 )
+from kvbridge.memory import (
+    CacheRegions,
+    RankDescriptors,
+    RegionGeometry,
+    kernel_spec,
+    post_process,
+    rank_descriptors,
+    regions_from_kv_caches,
+)
 from kvbridge.topology import EngineSpec, RankPlan, TopologyError, TransferPlan, plan_transfer
 
 from .agent import AgentConfig, NixlAgent, NixlError, PreparedList, Transfer
-from .geometry import (
-    CacheGeometry,
-    Side,
-    check_block_ids,
-    local_pieces,
-    remote_pieces,
-    request_indices,
-    strided_descs,
-    unit_pairs,
-)
 from .ledger import DecodeTracker, Failed, FailureKind, PrefillLedger, Released, State
 from .messages import Kind, Notification, encode_notification, new_token, parse_notification
 from .stats import Stats
@@ -143,8 +142,15 @@ class _Peer:
     agents: dict[int, str] = field(default_factory=dict)  # remote rank -> agent name
     remote_lists: dict[int, PreparedList] = field(default_factory=dict)
     local_lists: dict[int, PreparedList] = field(default_factory=dict)
-    pieces: dict[int, int] = field(default_factory=dict)  # remote rank -> reads per unit
+    spec: EngineSpec | None = None  # the peer engine, from its metadata
+    descs: dict[int, RankDescriptors] = field(default_factory=dict)  # remote rank -> descriptors
     handshake_ms: float = 0.0
+
+
+def _check_block_ids(ids: np.ndarray, num_blocks: int, what: str) -> None:
+    if ids.size and (ids.min() < 0 or ids.max() >= num_blocks):
+        bad = ids[(ids < 0) | (ids >= num_blocks)][:5].tolist()
+        raise ValueError(f"{what} block ids {bad} are outside 0..{num_blocks - 1}")
 
 
 class HandshakeFailed(HandshakeError):
@@ -164,26 +170,30 @@ def engine_compat_hash(spec: EngineSpec, config: EngineConfig) -> str:
 class _RankEngine:
     role = "?"
 
-    def __init__(self, spec: EngineSpec, rank: int, geometry: CacheGeometry,
+    def __init__(self, spec: EngineSpec, rank: int, cache: CacheRegions | Sequence | dict,
                  config: EngineConfig | None = None, *, incarnation: str | None = None):
+        """``cache``: this rank's :class:`~kvbridge.memory.CacheRegions`, or its KV-cache
+        tensors (one entry per layer), turned into regions with
+        :func:`~kvbridge.memory.regions_from_kv_caches`."""
         if not 0 <= rank < spec.tp_size:
             raise ValueError(f"rank {rank} is outside TP size {spec.tp_size}")
         if spec.mamba is not None:
             raise TopologyError("the NIXL engine does not transfer Mamba hybrid caches yet")
-        if spec.kernel_blocks_per_block != 1:
-            raise TopologyError(
-                f"the NIXL engine addresses whole logical blocks; engine {spec.engine_id!r} splits each "
-                f"into {spec.kernel_blocks_per_block} kernel blocks: describe the cache with "
-                "kernel_blocks_per_block=1 and block_size = the kernel block size"
+        regions = cache if isinstance(cache, CacheRegions) else regions_from_kv_caches(cache, spec)
+        if regions.spec != spec:
+            raise ValueError(
+                f"the cache regions were made for engine {regions.spec.engine_id!r} with another "
+                f"description than engine {spec.engine_id!r}; build them with this engine's spec"
             )
-        self.spec, self.rank, self.geometry = spec, rank, geometry
+        self.spec, self.rank, self.regions = spec, rank, regions
+        self.geometry = RegionGeometry.from_regions(regions)
         self.config = config or EngineConfig()
         self.incarnation = incarnation or new_incarnation()
         self.compat_hash = engine_compat_hash(spec, self.config)
         self.stats = Stats()
         self.agent = NixlAgent(f"{spec.engine_id}/{self.role}{rank}/{self.incarnation}", self.config.agent)
         try:
-            self.agent.register(geometry.registration(), self.config.mem_type)
+            self.agent.register(regions.registration_descs(), self.config.mem_type)
         except Exception:
             self.agent.close()
             raise
@@ -201,13 +211,13 @@ class _RankEngine:
     # ----- metadata ---------------------------------------------------------
     def metadata(self) -> AgentMetadata:
         """This rank's handshake metadata (NIXL agent metadata and cache geometry)."""
-        g = self.geometry
-        n = len(g.region_bases)
+        regs = self.regions.regions
         return AgentMetadata(
             engine_id=self.spec.engine_id, incarnation=self.incarnation, rank=self.rank,
             tp_size=self.spec.tp_size, agent_name=self.agent.name, agent_metadata=self.agent.metadata(),
-            memory_type=self.config.mem_type, device_id=g.device, region_base_addrs=list(g.region_bases),
-            region_sizes=[g.region_bytes] * n, num_blocks=g.num_blocks, block_lens=[g.block_bytes] * n,
+            memory_type=self.config.mem_type, device_id=self.regions.device_id,
+            region_base_addrs=[r.base_addr for r in regs], region_sizes=[r.size for r in regs],
+            num_blocks=self.regions.num_blocks, block_lens=[r.block_stride for r in regs],
             block_size=self.spec.block_size, kernel_blocks_per_block=self.spec.kernel_blocks_per_block,
             layout=self.spec.layout.value, head_order=self.spec.head_order.value,
             attention_backend=self.config.attention_backend, engine=EngineFacts.from_spec(self.spec),
@@ -241,8 +251,8 @@ class _RankEngine:
         return self.server.host, self.server.port
 
     # ----- handshakes (worker thread) ----------------------------------------
-    def _peer_sides(self, peer: _Peer, q: int, plan: TransferPlan) -> tuple[Side, Side, list, list]:
-        """(my side, peer side, my pieces, peer pieces) for remote rank ``q``."""
+    def _descriptors(self, peer: _Peer, q: int, plan: TransferPlan) -> tuple[RankDescriptors, bool]:
+        """Descriptors for peer rank ``q``, and whether this rank is the plan's local (decode) side."""
         raise NotImplementedError
 
     def _peer_ranks(self, peer: _Peer, plan: TransferPlan) -> tuple[list[int], list[int]]:
@@ -301,34 +311,29 @@ class _RankEngine:
                 f"issued by {peer.incarnation}: it restarted after issuing the request"
             )
         peer.incarnation = first.incarnation
-        peer.plan, peer.infos = plan, infos
+        peer.plan, peer.infos, peer.spec = plan, infos, first.spec()
         for q in ranks:
             peer.agents[q] = self.agent.add_remote(infos[q].agent_metadata)
             self.agent.connect(peer.agents[q])
         for q in listed:
-            mine, theirs, my_pieces, their_pieces = self._peer_sides(peer, q, plan)
-            peer.local_lists[q] = self.agent.prepare(
-                None, strided_descs(mine, my_pieces), self.config.mem_type, self.config.allow_strided)
-            peer.remote_lists[q] = self.agent.prepare(
-                peer.agents[q], strided_descs(theirs, their_pieces), self.config.mem_type,
-                self.config.allow_strided)
-            peer.pieces[q] = len(my_pieces)
+            rd, local_side = self._descriptors(peer, q, plan)
+            mine = rd.local_descs(strided=True) if local_side else rd.remote_descs(strided=True)
+            theirs = rd.remote_descs(strided=True) if local_side else rd.local_descs(strided=True)
+            peer.local_lists[q] = self.agent.prepare(None, mine, self.config.mem_type,
+                                                     self.config.allow_strided)
+            peer.remote_lists[q] = self.agent.prepare(peer.agents[q], theirs, self.config.mem_type,
+                                                      self.config.allow_strided)
+            peer.descs[q] = rd
 
-    def _remote_geometry(self, peer: _Peer, q: int) -> CacheGeometry:
+    def _remote_geometry(self, peer: _Peer, q: int) -> RegionGeometry:
+        """Peer rank ``q``'s regions from its handshake numbers (checked against its description)."""
         inf = peer.infos[q]
-        lay = peer.plan.prefill_layout if self.role == "d" else peer.plan.decode_layout
-        if len(inf.region_base_addrs) != lay.regions:
-            raise HandshakeFailed(
-                f"engine {peer.engine_id!r} rank {q} registered {len(inf.region_base_addrs)} regions, "
-                f"its engine description implies {lay.regions}"
-            )
-        if len(set(inf.block_lens)) != 1 or inf.block_lens[0] != lay.region_block_bytes:
-            raise HandshakeFailed(
-                f"engine {peer.engine_id!r} rank {q} has block lengths {sorted(set(inf.block_lens))}, "
-                f"its engine description implies {lay.region_block_bytes} bytes"
-            )
-        return CacheGeometry(tuple(inf.region_base_addrs), inf.num_blocks, inf.block_lens[0],
-                             lay.element_offsets, lay.element_bytes, inf.device_id)
+        try:
+            return RegionGeometry.from_remote(peer.spec, inf.region_base_addrs, inf.num_blocks,
+                                              inf.block_lens, device_id=inf.device_id,
+                                              mem_type=inf.memory_type)
+        except ValueError as exc:
+            raise HandshakeFailed(f"engine {peer.engine_id!r} rank {q}: {exc}") from exc
 
     def _drop_peer(self, peer: _Peer, stale: bool = True) -> None:
         """Forget a peer engine: its lists, transfers and agents."""
@@ -340,6 +345,7 @@ class _RankEngine:
             self.agent.release_list(lst)
         peer.local_lists.clear()
         peer.remote_lists.clear()
+        peer.descs.clear()
         peer.agents.clear()
         peer.state = "failed"
         if stale:
@@ -458,7 +464,7 @@ class DecodeEngine(_RankEngine):
 
     # planning hooks
     def _plan_for(self, peer_spec: EngineSpec) -> TransferPlan:
-        return plan_transfer(peer_spec, self.spec)
+        return plan_transfer(kernel_spec(peer_spec), kernel_spec(self.spec))
 
     def _rank_plan(self, plan: TransferPlan) -> RankPlan:
         return plan.decode_ranks[self.rank]
@@ -467,13 +473,9 @@ class DecodeEngine(_RankEngine):
         rp = self._rank_plan(plan)
         return list(rp.handshake_ranks), list(rp.source_ranks)
 
-    def _peer_sides(self, peer, q, plan):
-        rp = self._rank_plan(plan)
-        reads = rp.reads_from(q)
-        mine = Side(self.geometry, self.spec.block_size // rp.unit_tokens, rp.local_unit_bytes)
-        theirs = Side(self._remote_geometry(peer, q), plan.prefill.block_size // rp.unit_tokens,
-                      rp.remote_unit_bytes)
-        return mine, theirs, local_pieces(reads), remote_pieces(reads)
+    def _descriptors(self, peer, q, plan):
+        return rank_descriptors(self._rank_plan(plan), q, self.geometry,
+                                self._remote_geometry(peer, q)), True
 
     # ----- public API -------------------------------------------------------
     def load(self, request_id: str, params: TransferParams, local_block_ids: Sequence[int],
@@ -487,9 +489,12 @@ class DecodeEngine(_RankEngine):
         if self.config.mode != "pull":
             raise ValueError("load() is the pull-mode entry point; this engine is in push mode (use expect())")
         lids = np.asarray(local_block_ids, dtype=np.int64).reshape(-1)
-        check_block_ids(lids, self.geometry.num_blocks, "local")
-        if computed_tokens < 0:
-            raise ValueError("computed_tokens cannot be negative")
+        _check_block_ids(lids, self.geometry.num_blocks, "local")
+        if computed_tokens < 0 or computed_tokens % self.spec.block_size:
+            raise ValueError(
+                f"computed_tokens must be a non-negative multiple of the decode block size "
+                f"{self.spec.block_size} (whole blocks already present), got {computed_tokens}"
+            )
         peer = self._peer_for(params.engine_id, params.host, params.port, params.tp_size,
                               params.incarnation)
         now = time.monotonic()
@@ -506,7 +511,7 @@ class DecodeEngine(_RankEngine):
         if self.config.mode != "push":
             raise ValueError("expect() is the push-mode entry point; this engine is in pull mode")
         lids = np.asarray(local_block_ids, dtype=np.int64).reshape(-1)
-        check_block_ids(lids, self.geometry.num_blocks, "local")
+        _check_block_ids(lids, self.geometry.num_blocks, "local")
         plan = self._plan_for(_provisional(self.spec, prefill_engine_id, prefill_tp))
         sources = tuple(self._rank_plan(plan).source_ranks) if lids.size else ()
         now = time.monotonic()
@@ -599,25 +604,14 @@ class DecodeEngine(_RankEngine):
         peer = ld.peer
         plan = peer.plan
         rp = self._rank_plan(plan)
-        lu = self.spec.block_size // rp.unit_tokens
-        ru = plan.prefill.block_size // rp.unit_tokens
-        skip = ld.computed_tokens // rp.unit_tokens
         rids = np.asarray(ld.params.block_ids, dtype=np.int64)
-        lb, lun, rb, run = unit_pairs(ld.local_ids, rids, lu, ru, skip)
-        if lb.size == 0:  # full prefix hit (or nothing to read): notify every rank instead
-            return (time.perf_counter() - t0) * 1e6
+        skip = ld.computed_tokens // self.spec.block_size
         msg = encode_notification(Notification(Kind.DONE, ld.request_id, self.spec.tp_size, self.rank,
                                                ld.token))
-        li_cache: dict[int, np.ndarray] = {}
         for q in rp.source_ranks:
-            check_block_ids(rb, peer.infos[q].num_blocks, f"engine {peer.engine_id!r} rank {q}")
-            k = peer.pieces[q]
-            li = li_cache.get(k)
-            if li is None:
-                li = li_cache[k] = request_indices(lb, lun, self.geometry.roles, lu, k,
-                                                   self.geometry.num_blocks)
-            ri = request_indices(rb, run, self._remote_geometry(peer, q).roles, ru, k,
-                                 peer.infos[q].num_blocks)
+            li, ri = peer.descs[q].indices(ld.local_ids, rids, local_skip_blocks=skip)
+            if li.size == 0:  # full prefix hit (or nothing to read): notify every rank instead
+                break
             parts[q] = self.agent.make_transfer("READ", peer.local_lists[q], li, peer.remote_lists[q], ri,
                                                 msg)
         return (time.perf_counter() - t0) * 1e6
@@ -688,6 +682,7 @@ class DecodeEngine(_RankEngine):
                     del ld.transfers[q]
                     if self.tracker.part_done(rid, q):
                         self._loads.pop(rid, None)
+                        self._post_process(ld)
                 else:
                     self._fail(rid, FailureKind.TRANSFER,
                                f"READ from engine {ld.peer.engine_id!r} rank {q} ended in error")
@@ -699,6 +694,13 @@ class DecodeEngine(_RankEngine):
                 if ld.peer is peer:
                     self._fail(rid, FailureKind.TRANSFER, f"engine {peer.engine_id!r} failed a transfer")
             self._drop_peer(peer)
+
+    def _post_process(self, ld: _Load) -> None:
+        """Rearrange a completed request's blocks in place when the plan says so
+        (HND <-> NHD, several smaller prefill blocks per decode block)."""
+        pp = ld.peer.plan.post_process
+        if pp.needed and ld.local_ids.size:
+            post_process(self.regions, ld.local_ids, pp, self.spec)
 
     def _renew(self, now: float) -> None:
         every = self.config.renew_interval_s
@@ -773,19 +775,16 @@ class PrefillEngine(_RankEngine):
 
     # push-mode planning hooks: the peer is a decode engine
     def _plan_for(self, peer_spec: EngineSpec) -> TransferPlan:
-        return plan_transfer(self.spec, peer_spec)
+        return plan_transfer(kernel_spec(self.spec), kernel_spec(peer_spec))
 
     def _peer_ranks(self, peer: _Peer, plan: TransferPlan) -> tuple[list[int], list[int]]:
         read_by = list(plan.prefill_ranks[self.rank].read_by)
         return read_by, read_by
 
-    def _peer_sides(self, peer, r, plan):
-        rp = plan.decode_ranks[r]
-        reads = rp.reads_from(self.rank)
-        mine = Side(self.geometry, self.spec.block_size // rp.unit_tokens, rp.remote_unit_bytes)
-        theirs = Side(self._remote_geometry(peer, r), plan.decode.block_size // rp.unit_tokens,
-                      rp.local_unit_bytes)
-        return mine, theirs, remote_pieces(reads), local_pieces(reads)
+    def _descriptors(self, peer, r, plan):
+        # the plan's local side is the decode rank r; this rank is its remote side
+        return rank_descriptors(plan.decode_ranks[r], self.rank, self._remote_geometry(peer, r),
+                                self.geometry), False
 
     # ----- public API -------------------------------------------------------
     def hold(self, request_id: str, block_ids: Sequence[int], token: str | None = None) -> TransferParams:
@@ -795,7 +794,7 @@ class PrefillEngine(_RankEngine):
         rank 0's token to the others (or one from :func:`new_token`).
         """
         ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
-        check_block_ids(ids, self.geometry.num_blocks, "prefill")
+        _check_block_ids(ids, self.geometry.num_blocks, "prefill")
         token = token or new_token()
         if self.config.mode == "pull":
             self.ledger.hold(request_id, ids.tolist(), token, time.monotonic())
@@ -808,7 +807,7 @@ class PrefillEngine(_RankEngine):
         if self.config.mode != "push":
             raise ValueError("push() needs an engine configured with mode='push'")
         ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
-        check_block_ids(ids, self.geometry.num_blocks, "prefill")
+        _check_block_ids(ids, self.geometry.num_blocks, "prefill")
         peer = self._peer_for(target.engine_id, target.host, target.port, target.tp_size, "")
         p = _Push(request_id, peer, target, ids, deadline=time.monotonic() + self.config.transfer_timeout_s)
         self._pushes[request_id] = p
@@ -854,20 +853,12 @@ class PrefillEngine(_RankEngine):
         peer, plan = p.peer, p.peer.plan
         try:
             for r in plan.prefill_ranks[self.rank].read_by:
-                rp = plan.decode_ranks[r]
-                mu = self.spec.block_size // rp.unit_tokens
-                tu = plan.decode.block_size // rp.unit_tokens
-                skip = p.target.computed_tokens // rp.unit_tokens
-                tb, tun, mb, mun = unit_pairs(np.asarray(p.target.block_ids, dtype=np.int64), p.block_ids,
-                                              tu, mu, skip)
-                check_block_ids(tb, peer.infos[r].num_blocks, f"decode engine {peer.engine_id!r} rank {r}")
-                k = peer.pieces[r]
-                mi = request_indices(mb, mun, self.geometry.roles, mu, k, self.geometry.num_blocks)
-                ti = request_indices(tb, tun, self._remote_geometry(peer, r).roles, tu, k,
-                                     peer.infos[r].num_blocks)
+                skip = p.target.computed_tokens // peer.spec.block_size
+                ti, mi = peer.descs[r].indices(np.asarray(p.target.block_ids, dtype=np.int64),
+                                               p.block_ids, local_skip_blocks=skip)
                 msg = encode_notification(Notification(Kind.WRITTEN, p.request_id, self.spec.tp_size,
                                                        self.rank, p.target.token))
-                if mb.size == 0:
+                if mi.size == 0:
                     self.agent.notify(peer.agents[r], msg)
                     continue
                 x = self.agent.make_transfer("WRITE", peer.local_lists[r], mi, peer.remote_lists[r], ti, msg)

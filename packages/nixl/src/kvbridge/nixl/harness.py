@@ -52,13 +52,15 @@ def _child(conn: Connection, role: str, spec: EngineSpec, ranks: list[int], num_
 def _child_loop(conn, role, spec, ranks, num_blocks, config, incarnation, serve_first) -> None:
     import torch
 
+    from kvbridge.memory import kernel_spec, post_process
+
     from .engine import DecodeEngine, PrefillEngine
-    from .synthetic import SyntheticCache, logical_kv, post_process_units
+    from .synthetic import SyntheticCache, logical_kv
 
     torch.set_num_threads(1)
     caches = {r: SyntheticCache.allocate(spec, r, num_blocks) for r in ranks}
     cls = PrefillEngine if role == "p" else DecodeEngine
-    engines = {r: cls(spec, r, caches[r].geometry(), config, incarnation=incarnation) for r in ranks}
+    engines = {r: cls(spec, r, caches[r].cache_regions(), config, incarnation=incarnation) for r in ranks}
     server = None
     if serve_first:
         first = engines[ranks[0]]
@@ -156,9 +158,9 @@ def _child_loop(conn, role, spec, ranks, num_blocks, config, incarnation, serve_
             seed, ntok, computed, local_ids, pspec, verify = pending[rid]
             bad = -1
             if verify:
-                plan = plan_transfer(pspec, spec)
-                if plan.post_process.needed:
-                    post_process_units(caches[r], local_ids, plan.post_process.units_per_block)
+                if config.mode == "push":  # pull: the decode engine post-processes on completion
+                    plan = plan_transfer(kernel_spec(pspec), kernel_spec(spec))
+                    post_process(engines[r].regions, local_ids, plan.post_process, spec)
                 bad = caches[r].verify(logical_kv(spec, seed, ntok), local_ids, computed, ntok)
             conn.send(("verified", (r, rid, bad)))
             if not any(x[1] == rid for x in to_verify):

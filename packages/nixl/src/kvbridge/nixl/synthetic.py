@@ -15,9 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvbridge.memory import CacheRegions, regions_from_kv_caches
 from kvbridge.topology import EngineSpec, HeadOrder, element_layout, head_range
-
-from .geometry import CacheGeometry
 
 
 def logical_kv(spec: EngineSpec, seed: int, num_tokens: int) -> np.ndarray:
@@ -31,23 +30,39 @@ def logical_kv(spec: EngineSpec, seed: int, num_tokens: int) -> np.ndarray:
 
 @dataclass
 class SyntheticCache:
-    """One rank's cache: one uint8 tensor [num_blocks, block_bytes] per region."""
+    """One rank's cache as an engine allocates it (``kv_caches``: one uint8 tensor per layer,
+    or one for all layers when cross-layer), and a ``[num_blocks, block_bytes]`` view per
+    region (``regions``, in :func:`~kvbridge.topology.element_layout` order) for filling and
+    checking."""
 
     spec: EngineSpec
     rank: int
     num_blocks: int
     regions: list[torch.Tensor]
+    kv_caches: list[torch.Tensor]
 
     @classmethod
     def allocate(cls, spec: EngineSpec, rank: int, num_blocks: int) -> SyntheticCache:
         lay = element_layout(spec)
-        regions = [torch.zeros((num_blocks, lay.region_block_bytes), dtype=torch.uint8)
-                   for _ in range(lay.regions)]
-        return cls(spec, rank, num_blocks, regions)
+        nb, rb = num_blocks, lay.region_block_bytes
+        if spec.cross_layer:
+            caches = [torch.zeros((nb, rb), dtype=torch.uint8)]
+            regions = list(caches)
+        elif lay.separate_kv_regions:  # kv-first: [2, blocks, ...] per layer
+            caches = [torch.zeros((2, nb, rb), dtype=torch.uint8) for _ in range(spec.num_layers)]
+            regions = [t[k] for t in caches for k in range(2)]
+        else:  # blocks-first [blocks, 2, ...] or MLA [blocks, ...]
+            caches = [torch.zeros((nb, lay.elements_per_block, lay.element_bytes), dtype=torch.uint8)
+                      for _ in range(spec.num_layers)]
+            regions = [t.view(nb, rb) for t in caches]
+            if spec.use_mla:
+                caches = regions
+        return cls(spec, rank, num_blocks, regions, caches)
 
-    def geometry(self) -> CacheGeometry:
-        return CacheGeometry.from_layout([t.data_ptr() for t in self.regions], self.num_blocks,
-                                         element_layout(self.spec))
+    def cache_regions(self, spec: EngineSpec | None = None) -> CacheRegions:
+        """The regions an engine registers (``spec``: the engine's description, by default
+        this cache's; a kernel-split engine may describe a cache allocated for its kernel blocks)."""
+        return regions_from_kv_caches(self.kv_caches, spec or self.spec)
 
     @property
     def nbytes(self) -> int:
@@ -131,27 +146,3 @@ class SyntheticCache:
         for t in self.regions:
             t[idx] = 0
 
-
-def post_process_units(cache: SyntheticCache, block_ids: list[int], units: int) -> None:
-    """Rearrange received blocks from [units, heads, unit tokens, dim] to [heads, tokens, dim] (HND).
-
-    Applies when this (decode) side's blocks are ``units`` times larger than
-    the prefill side's and hold several heads in HND order.
-    """
-    spec = cache.spec
-    hb = spec.head_dim * spec.dtype_size
-    hpr = len(head_range(spec.tp_size, spec.kv_heads_for_placement, cache.rank))
-    ut = spec.block_size // units
-    if units <= 1 or hpr <= 1:
-        return
-    lay = element_layout(spec)
-    idx = torch.as_tensor(block_ids, dtype=torch.long)
-    for t in cache.regions:
-        for off in lay.element_offsets:
-            el = t[idx, off:off + lay.element_bytes]
-            if spec.head_order is HeadOrder.HND:
-                fixed = el.reshape(-1, units, hpr, ut, hb).permute(0, 2, 1, 3, 4)
-            else:
-                # received NHD units are [units, unit tokens, heads, dim]: already token-major
-                continue
-            t[idx, off:off + lay.element_bytes] = fixed.reshape(len(block_ids), -1)
