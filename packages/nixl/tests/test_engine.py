@@ -285,3 +285,19 @@ def test_unsupported_cache_shapes_are_refused_with_a_reason():
         DecodeEngine(spec, 0, cache.cache_regions(), CFG)
     with pytest.raises(ValueError, match="outside TP size"):
         DecodeEngine(D, 1, cache.cache_regions(), CFG)
+
+
+def test_cross_layer_prefill_to_kv_first_decode():
+    """Different layouts on the two sides: elements pair by (layer, K/V)."""
+    from kvbridge.topology import Layout
+
+    p_cross = replace(P, layout=Layout.BLOCKS_FIRST, cross_layer=True)
+    pair = Pair(p_spec=p_cross)
+    try:
+        params = pair.hold("a", [6, 2, 3], seed=9)
+        pair.dec.load("a", params, [1, 12, 13])
+        done, failed, released = pair.run(lambda d, f, r: d and len(r) == 2)
+        assert done == ["a"] and not failed
+        assert pair.dc.verify(logical_kv(p_cross, 9, 48), [1, 12, 13], 0, 48) == 0
+    finally:
+        pair.close()

@@ -27,6 +27,8 @@ from typing import Literal
 
 import numpy as np
 
+from kvbridge.memory import expand_strided as expand_rows
+
 log = logging.getLogger("kvbridge.nixl")
 
 XferState = Literal["DONE", "PROC", "ERR"]
@@ -119,20 +121,10 @@ def descs_array(rows: np.ndarray | Sequence[Sequence[int]]) -> np.ndarray:
 
 
 def expand_strided(arr: np.ndarray) -> np.ndarray:
-    """Expand an N x 5 strided array into the equivalent N x 3 array (row-major, then count)."""
+    """Expand an N x 5 strided array into the equivalent N x 3 array (row-major, then count);
+    N x 3 arrays pass through. The expansion is :func:`kvbridge.memory.expand_strided`."""
     arr = descs_array(arr)
-    if arr.shape[1] == 3:
-        return arr
-    counts = arr[:, 4].astype(np.int64)
-    total = int(counts.sum())
-    row = np.repeat(np.arange(arr.shape[0]), counts)
-    start = np.repeat(np.cumsum(counts) - counts, counts)
-    k = (np.arange(total) - start).astype(np.uint64)
-    out = np.empty((total, 3), dtype=np.uint64)
-    out[:, 0] = arr[row, 0] + k * arr[row, 3]
-    out[:, 1] = arr[row, 1]
-    out[:, 2] = arr[row, 2]
-    return out
+    return arr if arr.shape[1] == 3 else expand_rows(arr)
 
 
 class NixlAgent:
