@@ -58,6 +58,18 @@ from .stats import Stats
 log = logging.getLogger("kvbridge.nixl")
 
 
+def _record_done(agent: NixlAgent, stats: Stats, transfer: Transfer) -> None:
+    """Count a finished transfer (NIXL telemetry into ``stats``) and release its handle."""
+    tel = agent.telemetry(transfer)
+    if tel is not None:
+        stats.bytes += tel.bytes
+        stats.descriptors += tel.descriptors
+        stats.post_us += tel.post_us
+        stats.xfer_us += tel.xfer_us
+    stats.transfers += 1
+    agent.release_transfer(transfer)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Engine knobs (all times in seconds)."""
@@ -671,14 +683,7 @@ class DecodeEngine(_RankEngine):
                 if st == "PROC":
                     continue
                 if st == "DONE":
-                    tel = self.agent.telemetry(x)
-                    if tel is not None:
-                        self.stats.bytes += tel.bytes
-                        self.stats.descriptors += tel.descriptors
-                        self.stats.post_us += tel.post_us
-                        self.stats.xfer_us += tel.xfer_us
-                    self.stats.transfers += 1
-                    self.agent.release_transfer(x)
+                    _record_done(self.agent, self.stats, x)
                     del ld.transfers[q]
                     if self.tracker.part_done(rid, q):
                         self._loads.pop(rid, None)
@@ -898,14 +903,7 @@ class PrefillEngine(_RankEngine):
                 if st == "PROC":
                     continue
                 if st == "DONE":
-                    tel = self.agent.telemetry(x)
-                    if tel is not None:
-                        self.stats.bytes += tel.bytes
-                        self.stats.descriptors += tel.descriptors
-                        self.stats.post_us += tel.post_us
-                        self.stats.xfer_us += tel.xfer_us
-                    self.stats.transfers += 1
-                    self.agent.release_transfer(x)
+                    _record_done(self.agent, self.stats, x)
                     del p.transfers[r]
                 else:
                     self._finish_push(p, f"WRITE to rank {r} ended in error", FailureKind.TRANSFER)
