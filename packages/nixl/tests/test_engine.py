@@ -301,3 +301,82 @@ def test_cross_layer_prefill_to_kv_first_decode():
         assert pair.dc.verify(logical_kv(p_cross, 9, 48), [1, 12, 13], 0, 48) == 0
     finally:
         pair.close()
+
+
+def test_decode_may_use_its_own_request_id(pair):
+    """vLLM gives the request another id on each engine: notifications name the prefill id."""
+    params = pair.hold("p-17", [3, 4], seed=5)
+    assert params.request_id == "p-17"
+    pair.dec.load("d-99", params, [6, 7])
+    done, failed, released = pair.run(lambda d, f, r: d and len(r) == 2)
+    assert done == ["d-99"] and not failed
+    assert {(r.request_id, r.reason) for r in released} == {("p-17", "notified")}
+    assert pair.dc.verify(logical_kv(P, 5, 32), [6, 7], 0, 32) == 0
+    assert all(e.stats.notifications_unknown == 0 for e in pair.pre)
+
+
+def test_prepare_and_renew_keep_a_queued_request_alive():
+    """A request queued on the decode side (not loading yet) keeps its prefill lease."""
+    pair = Pair(replace(CFG, lease_s=0.4))
+    try:
+        params = pair.hold("a", [1], seed=6)
+        pair.dec.prepare(params)  # handshake ahead of the load
+        t_end = time.monotonic() + 1.2  # three leases
+        while time.monotonic() < t_end:
+            pair.dec.renew(params)
+            assert pair.dec.poll().done == []
+            for e in pair.pre:
+                assert e.poll() == [], "the lease lapsed although the decode side renewed it"
+            time.sleep(0.05)
+        assert pair.dec.stats.handshakes == 1 and pair.dec.stats.leases_renewed >= 4
+        pair.dec.load("a", params, [2])
+        done, failed, released = pair.run(lambda d, f, r: d and len(r) == 2)
+        assert done == ["a"] and not failed and pair.dec.stats.handshakes == 1
+        assert pair.dc.verify(logical_kv(P, 6, 16), [2], 0, 16) == 0
+    finally:
+        pair.close()
+
+
+def test_release_frees_prefill_blocks_without_reporting(pair):
+    params = pair.hold("a", [1, 2])
+    pair.dec.release(params)
+    pair.dec.release(params)  # idempotent while in flight
+    _, _, released = pair.run(lambda d, f, r: len(r) == 2)
+    assert {(r.request_id, r.reason) for r in released} == {("a", "notified")}
+    time.sleep(0.1)
+    ev = pair.dec.poll()
+    assert ev.done == [] and ev.failed == [] and pair.dec.pending == 0
+    assert pair.dec.stats.transfers == 0 and not pair.dec._silent
+    with pytest.raises(ValueError, match="request_id"):
+        pair.dec.release(replace(params, request_id=""))
+
+
+def test_transfer_records_are_kept_on_request():
+    pair = Pair(replace(CFG, record_transfers=True))
+    try:
+        pair.dec.load("a", pair.hold("a", [1, 2]), [3, 4])
+        pair.run(lambda d, f, r: d and len(r) == 2)
+        recs = pair.dec.take_records()
+        assert len(recs) == 2  # one READ per prefill rank
+        assert {r.op for r in recs} == {"READ"} and {r.peer_engine for r in recs} == {"prefill"}
+        assert sum(r.bytes for r in recs) == pair.dec.stats.bytes > 0
+        assert pair.dec.take_records() == []
+    finally:
+        pair.close()
+
+
+def test_compatibility_check_can_be_turned_off():
+    """Engines with different model identities refuse each other unless enforce_compat is off."""
+    for enforce, want_done in ((True, False), (False, True)):
+        pair = Pair(replace(CFG, enforce_compat=enforce))
+        try:
+            pair.dec.close()
+            pair.dec = DecodeEngine(D, 0, pair.dc.cache_regions(),
+                                    replace(CFG, enforce_compat=enforce, model="another-model"))
+            pair.dec.load("a", pair.hold("a", [1]), [1])
+            done, failed, _ = pair.run(lambda d, f, r: d or f)
+            assert bool(done) is want_done, (enforce, failed)
+            if not want_done:
+                assert failed[0].kind is FailureKind.HANDSHAKE and "compatib" in failed[0].message
+        finally:
+            pair.close()

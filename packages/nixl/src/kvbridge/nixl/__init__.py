@@ -16,6 +16,7 @@ from .engine import (
     PrefillEngine,
     PushTarget,
     TransferParams,
+    TransferRecord,
     engine_compat_hash,
 )
 from .ledger import DecodeTracker, Failed, FailureKind, PrefillLedger, Released
@@ -26,6 +27,6 @@ __all__ = [
     "AgentConfig", "DecodeEngine", "DecodeEvents", "DecodeTracker", "EngineConfig",
     "Failed", "FailureKind", "HandshakeFailed", "Kind", "NixlAgent", "NixlError", "Notification",
     "PrefillEngine", "PrefillLedger", "PreparedList", "PushTarget", "Released", "Stats", "Telemetry",
-    "Transfer", "TransferParams", "encode_notification", "engine_compat_hash", "new_token",
+    "Transfer", "TransferParams", "TransferRecord", "encode_notification", "engine_compat_hash", "new_token",
     "parse_notification",
 ]

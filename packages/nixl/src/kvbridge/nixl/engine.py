@@ -24,6 +24,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
@@ -58,7 +59,20 @@ from .stats import Stats
 log = logging.getLogger("kvbridge.nixl")
 
 
-def _record_done(agent: NixlAgent, stats: Stats, transfer: Transfer) -> None:
+@dataclass(frozen=True)
+class TransferRecord:
+    """One finished transfer (NIXL telemetry), for callers that keep per-transfer figures."""
+
+    op: str  # "READ" or "WRITE"
+    peer_engine: str
+    bytes: int
+    descriptors: int
+    post_us: int
+    xfer_us: int
+
+
+def _record_done(agent: NixlAgent, stats: Stats, transfer: Transfer,
+                 records: deque[TransferRecord] | None = None, peer_engine: str = "") -> None:
     """Count a finished transfer (NIXL telemetry into ``stats``) and release its handle."""
     tel = agent.telemetry(transfer)
     if tel is not None:
@@ -66,6 +80,9 @@ def _record_done(agent: NixlAgent, stats: Stats, transfer: Transfer) -> None:
         stats.descriptors += tel.descriptors
         stats.post_us += tel.post_us
         stats.xfer_us += tel.xfer_us
+        if records is not None:
+            records.append(TransferRecord(transfer.op, peer_engine, tel.bytes, tel.descriptors,
+                                          tel.post_us, tel.xfer_us))
     stats.transfers += 1
     agent.release_transfer(transfer)
 
@@ -88,6 +105,12 @@ class EngineConfig:
     #: model identity and attention backend for the handshake's compatibility hash
     model: str = "kvbridge-synthetic"
     attention_backend: str = "kvbridge"
+    #: refuse peers whose compatibility hash differs (turn off only when you vouch for the pair)
+    enforce_compat: bool = True
+    #: keep one :class:`TransferRecord` per finished transfer (drain with ``take_records()``);
+    #: at most ``max_records`` are kept between drains
+    record_transfers: bool = False
+    max_records: int = 4096
 
     def __post_init__(self) -> None:
         if self.mode not in ("pull", "push"):
@@ -99,7 +122,12 @@ class EngineConfig:
 
 @dataclass(frozen=True)
 class TransferParams:
-    """What a prefill engine hands out for one request (through the router to the decode engine)."""
+    """What a prefill engine hands out for one request (through the router to the decode engine).
+
+    ``request_id`` is the id the prefill engine holds the request under; the
+    decode side names it in its notifications. Empty means the decode side uses
+    the same id as the prefill side.
+    """
 
     engine_id: str
     host: str
@@ -108,6 +136,7 @@ class TransferParams:
     block_ids: tuple[int, ...]
     token: str
     incarnation: str = ""
+    request_id: str = ""
 
 
 @dataclass(frozen=True)
@@ -203,6 +232,8 @@ class _RankEngine:
         self.incarnation = incarnation or new_incarnation()
         self.compat_hash = engine_compat_hash(spec, self.config)
         self.stats = Stats()
+        self._records: deque[TransferRecord] | None = (
+            deque(maxlen=self.config.max_records) if self.config.record_transfers else None)
         self.agent = NixlAgent(f"{spec.engine_id}/{self.role}{rank}/{self.incarnation}", self.config.agent)
         try:
             self.agent.register(regions.registration_descs(), self.config.mem_type)
@@ -219,6 +250,14 @@ class _RankEngine:
         self._worker = threading.Thread(target=self._work, name=f"kvbridge-handshake-{rank}", daemon=True)
         self._worker.start()
         self._closed = False
+
+    def take_records(self) -> list[TransferRecord]:
+        """Per-transfer records since the last call (empty unless ``record_transfers``)."""
+        if self._records is None:
+            return []
+        out = list(self._records)
+        self._records.clear()
+        return out
 
     # ----- metadata ---------------------------------------------------------
     def metadata(self) -> AgentMetadata:
@@ -301,7 +340,8 @@ class _RankEngine:
         guess = self._plan_for(_provisional(self.spec, peer.engine_id, peer.tp_size))
         ranks, _ = self._peer_ranks(peer, guess)
         infos = fetch_metadata(peer.host, peer.port, ranks, engine_id=peer.engine_id,
-                               compat_hash=self.compat_hash, timeout=timeout / 2, retries=1,
+                               compat_hash=self.compat_hash if self.config.enforce_compat else None,
+                               timeout=timeout / 2, retries=1,
                                context=self._zmq)
         first = infos[ranks[0]]
         if first.tp_size != peer.tp_size:
@@ -460,6 +500,11 @@ class _Load:
     last_renew: float = 0.0
     expect_from: tuple[int, ...] = ()
 
+    @property
+    def remote_id(self) -> str:
+        """The id the prefill engine holds this request under (named in notifications)."""
+        return (self.params.request_id if self.params is not None else "") or self.request_id
+
 
 class DecodeEngine(_RankEngine):
     """One decode rank: loads requests' blocks from prefill engines (pull) or receives them (push)."""
@@ -473,6 +518,8 @@ class DecodeEngine(_RankEngine):
         self._push_waiting: dict[str, set[int]] = {}
         self._posted: queue.Queue[tuple[_Load, dict[int, Transfer], str | None, float]] = queue.Queue()
         self._orphans: list[Transfer] = []
+        self._silent: set[str] = set()  # releases: notify-only loads nobody waits for
+        self._renewals: dict[tuple[str, str], TransferParams] = {}  # (engine, remote id) -> params
 
     # planning hooks
     def _plan_for(self, peer_spec: EngineSpec) -> TransferPlan:
@@ -517,6 +564,42 @@ class DecodeEngine(_RankEngine):
         if peer.state == "ready":
             self._post(self._loads[request_id])
 
+    def prepare(self, params: TransferParams) -> None:
+        """Start the handshake with ``params``' prefill engine now, if it is not known yet.
+
+        Lets a caller overlap the handshake with whatever precedes :meth:`load`
+        (a request queued for local blocks). Never blocks on the peer.
+        """
+        if self.config.mode != "pull":
+            raise ValueError("prepare() is for pull mode; in push mode the prefill side handshakes")
+        self._peer_for(params.engine_id, params.host, params.port, params.tp_size, params.incarnation)
+
+    def renew(self, params: TransferParams) -> None:
+        """Renew the prefill lease of a request this rank has not started loading yet.
+
+        The RENEW notifications go out on the next :meth:`poll` once the
+        handshake with that engine is done (it is started here if needed).
+        Requests being loaded are renewed by the engine itself.
+        """
+        self.prepare(params)
+        self._renewals[(params.engine_id, params.request_id)] = params
+
+    def release(self, params: TransferParams) -> None:
+        """Tell the prefill ranks this rank will not read a request, so they free its blocks.
+
+        For requests the caller dropped (aborted before loading, or fully
+        present locally). Nothing is reported for it by :meth:`poll`; if the
+        prefill engine cannot be reached its lease frees the blocks.
+        """
+        if not params.request_id:
+            raise ValueError("release() needs params.request_id (the prefill-side request id)")
+        rid = f"release/{params.engine_id}/{params.request_id}/{params.token}"
+        if rid in self.tracker:
+            return
+        self._renewals.pop((params.engine_id, params.request_id), None)
+        self._silent.add(rid)
+        self.load(rid, params, [], 0)
+
     def expect(self, request_id: str, prefill_engine_id: str, prefill_tp: int, token: str,
                local_block_ids: Sequence[int]) -> None:
         """Push mode: wait for the prefill ranks that write this rank's share of a request."""
@@ -553,9 +636,16 @@ class DecodeEngine(_RankEngine):
                                f"not complete within {self.config.transfer_timeout_s:.1f} s")
                 if self.config.mode == "pull":
                     self._renew(now)
+                    self._send_renewals()
             finally:
                 self.agent.unlock()
-        return DecodeEvents(self.tracker.take_done(), self.tracker.take_failed())
+        done, failed = self.tracker.take_done(), self.tracker.take_failed()
+        if self._silent:
+            quiet = self._silent
+            self._silent = quiet - set(done) - {f.request_id for f in failed}
+            done = [r for r in done if r not in quiet]
+            failed = [f for f in failed if f.request_id not in quiet]
+        return DecodeEvents(done, failed)
 
     @property
     def pending(self) -> int:
@@ -574,9 +664,28 @@ class DecodeEngine(_RankEngine):
                     self._loads.pop(f.request_id, None)
 
     def _notify(self, peer: _Peer, q: int, ld: _Load, kind: Kind) -> None:
-        msg = encode_notification(Notification(kind, ld.request_id, self.spec.tp_size, self.rank, ld.token))
+        self._send(peer, q, ld.remote_id, ld.token, kind)
+
+    def _send(self, peer: _Peer, q: int, remote_id: str, token: str, kind: Kind) -> None:
+        msg = encode_notification(Notification(kind, remote_id, self.spec.tp_size, self.rank, token))
         self.agent.notify(peer.agents[q], msg)
         self.stats.notifications_sent += 1
+
+    def _send_renewals(self) -> None:
+        """RENEW the leases of requests announced with :meth:`renew` whose peer is ready."""
+        for key, params in list(self._renewals.items()):
+            peer = self._peers.get(params.engine_id)
+            if peer is not None and peer.state == "handshaking":
+                continue  # try again on the next poll
+            del self._renewals[key]
+            if peer is None or peer.state != "ready":
+                continue  # the handshake failed: the lease will lapse, nothing to renew with
+            for q in self._rank_plan(peer.plan).handshake_ranks:
+                try:
+                    self._send(peer, q, params.request_id, params.token, Kind.RENEW)
+                    self.stats.leases_renewed += 1
+                except NixlError:
+                    break
 
     def _post(self, ld: _Load) -> None:
         """Build and post the READs of a request whose peer is ready (on the worker thread by default)."""
@@ -618,7 +727,7 @@ class DecodeEngine(_RankEngine):
         rp = self._rank_plan(plan)
         rids = np.asarray(ld.params.block_ids, dtype=np.int64)
         skip = ld.computed_tokens // self.spec.block_size
-        msg = encode_notification(Notification(Kind.DONE, ld.request_id, self.spec.tp_size, self.rank,
+        msg = encode_notification(Notification(Kind.DONE, ld.remote_id, self.spec.tp_size, self.rank,
                                                ld.token))
         for q in rp.source_ranks:
             li, ri = peer.descs[q].indices(ld.local_ids, rids, local_skip_blocks=skip)
@@ -683,7 +792,7 @@ class DecodeEngine(_RankEngine):
                 if st == "PROC":
                     continue
                 if st == "DONE":
-                    _record_done(self.agent, self.stats, x)
+                    _record_done(self.agent, self.stats, x, self._records, ld.peer.engine_id)
                     del ld.transfers[q]
                     if self.tracker.part_done(rid, q):
                         self._loads.pop(rid, None)
@@ -805,7 +914,7 @@ class PrefillEngine(_RankEngine):
             self.ledger.hold(request_id, ids.tolist(), token, time.monotonic())
         host, port = self.address
         return TransferParams(self.spec.engine_id, host, port, self.spec.tp_size, tuple(ids.tolist()),
-                              token, self.incarnation)
+                              token, self.incarnation, request_id)
 
     def push(self, request_id: str, block_ids: Sequence[int], target: PushTarget) -> None:
         """Push mode: write a request's blocks into the decode engine ``target``."""
@@ -903,7 +1012,7 @@ class PrefillEngine(_RankEngine):
                 if st == "PROC":
                     continue
                 if st == "DONE":
-                    _record_done(self.agent, self.stats, x)
+                    _record_done(self.agent, self.stats, x, self._records, p.peer.engine_id)
                     del p.transfers[r]
                 else:
                     self._finish_push(p, f"WRITE to rank {r} ended in error", FailureKind.TRANSFER)
