@@ -153,6 +153,8 @@ class ConnectorUnderTest:
     handshake_log_patterns: tuple[tuple[str, str], ...] = ()
     # Env for engines when handshake timings are wanted (e.g. debug logging).
     timing_env: Mapping[str, str] = field(default_factory=dict)
+    # Multiplier turning the numbers handshake_log_patterns capture into seconds.
+    handshake_log_scale: float = 1.0
 
     def kv_transfer_config(self, role: str, host: str, port: int) -> dict[str, Any]:
         cfg: dict[str, Any] = {
@@ -217,8 +219,38 @@ NIXL_CONNECTOR = ConnectorUnderTest(
 )
 
 
-#: Connectors the bench and tests know by name. kvbridge's joins once it exists.
-CONNECTORS: dict[str, ConnectorUnderTest] = {"nixl": NIXL_CONNECTOR}
+KVBRIDGE_CONNECTOR = ConnectorUnderTest(
+    label="kvbridge",
+    kv_connector="KVBridgeConnector",
+    module_path="kvbridge.vllm",
+    env={"KVBRIDGE_SIDE_CHANNEL_HOST": "{host}", "KVBRIDGE_SIDE_CHANNEL_PORT": "{port}"},
+    # as long as NIXL_CONNECTOR's: an expiry fails the test, and two shared cores are slow
+    extra_config={"lease_seconds": 900},
+    failure_counters=(
+        "vllm:kvbridge_num_failed_transfers",
+        "vllm:kvbridge_num_expired_leases",
+        "vllm:kvbridge_num_ignored_notifications",
+    ),
+    transfer_time_metric="vllm:kvbridge_xfer_time_seconds",
+    transfer_bytes_metric="vllm:kvbridge_bytes_transferred",
+    failure_log_patterns=(
+        r"kvbridge: request \S+ failed",
+        r"kvbridge: cannot (hold|load)",
+        r"handshake with engine \S+ failed",
+        r"lease of [0-9.]+ s lapsed",
+        r"ignoring its kv_transfer_params",
+    ),
+    handshake_log_patterns=(
+        ("handshake_s", r"handshake with engine \S+ \(TP \d+\) took ([0-9.]+) ms"),
+        ("get_metadata_s", r"took [0-9.]+ ms: metadata ([0-9.]+) ms"),
+        ("add_agent_s", r"ms: metadata [0-9.]+ ms, agents ([0-9.]+) ms"),
+    ),
+    handshake_log_scale=1e-3,
+)
+
+#: Connectors the bench and tests know by name.
+CONNECTORS: dict[str, ConnectorUnderTest] = {"kvbridge": KVBRIDGE_CONNECTOR,
+                                             "nixl": NIXL_CONNECTOR}
 
 
 # --------------------------------------------------------------------------- processes
@@ -523,7 +555,8 @@ def failure_lines(log: str, patterns: Sequence[str]) -> list[str]:
 def handshake_timings(log: str, connector: ConnectorUnderTest) -> dict[str, list[float]]:
     out: dict[str, list[float]] = {}
     for name, pattern in connector.handshake_log_patterns:
-        out[name] = [float(m.group(1)) for m in re.finditer(pattern, log)]
+        out[name] = [float(m.group(1)) * connector.handshake_log_scale
+                     for m in re.finditer(pattern, log)]
     return out
 
 

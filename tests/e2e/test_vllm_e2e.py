@@ -1,20 +1,21 @@
 """Disaggregated prefill/decode with real vLLM engines, per connector.
 
-Every test runs for each connector in ``CONNECTORS``: vLLM's own NixlConnector
-(the reference) now, kvbridge's ``KVBridgeConnector`` once it exists (add a
-``ConnectorUnderTest`` for it in e2e_harness.py and list it here).
+Every test runs for each selected connector (``KVB_E2E_CONNECTORS``, see
+``_selected``): kvbridge's ``KVBridgeConnector`` by default, vLLM's own
+NixlConnector (the reference) on request.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+from e2e_harness import CONNECTORS as ALL_CONNECTORS
 from e2e_harness import (
     DEFAULT_MAX_TOKENS as MAX_TOKENS,
 )
 from e2e_harness import (
-    NIXL_CONNECTOR,
     ConnectorUnderTest,
     DisaggRun,
     EngineConfig,
@@ -24,7 +25,21 @@ from e2e_harness import (
     transfer_problems,
 )
 
-CONNECTORS = [pytest.param(NIXL_CONNECTOR, id=NIXL_CONNECTOR.label)]
+
+def _selected() -> list:
+    """Connectors to test: $KVB_E2E_CONNECTORS (comma list of names in e2e_harness.CONNECTORS,
+    or "all"); kvbridge's alone by default, vLLM's NixlConnector on request (it doubles the
+    suite's time and is the reference, not the product)."""
+    want = os.environ.get("KVB_E2E_CONNECTORS", "kvbridge").strip()
+    names = sorted(ALL_CONNECTORS) if want == "all" else [n.strip() for n in want.split(",") if n.strip()]
+    unknown = [n for n in names if n not in ALL_CONNECTORS]
+    if unknown:
+        raise ValueError(f"KVB_E2E_CONNECTORS names unknown connectors {unknown}; "
+                         f"known: {sorted(ALL_CONNECTORS)} or 'all'")
+    return [pytest.param(ALL_CONNECTORS[n], id=ALL_CONNECTORS[n].label) for n in names]
+
+
+CONNECTORS = _selected()
 
 BLOCK = 32
 # Tiny model: 2 layers, head dim 32, float32 -> K and V bytes per token per KV head.

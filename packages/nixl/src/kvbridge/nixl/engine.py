@@ -186,6 +186,8 @@ class _Peer:
     spec: EngineSpec | None = None  # the peer engine, from its metadata
     descs: dict[int, RankDescriptors] = field(default_factory=dict)  # remote rank -> descriptors
     handshake_ms: float = 0.0
+    #: handshake phases (ms): side-channel metadata, loading + connecting agents, list preparation
+    phases_ms: tuple[float, float, float] = (0.0, 0.0, 0.0)
 
 
 def _check_block_ids(ids: np.ndarray, num_blocks: int, what: str) -> None:
@@ -337,6 +339,7 @@ class _RankEngine:
 
     def _handshake(self, peer: _Peer) -> None:
         timeout = self.config.handshake_timeout_s
+        t0 = time.perf_counter()
         guess = self._plan_for(_provisional(self.spec, peer.engine_id, peer.tp_size))
         ranks, _ = self._peer_ranks(peer, guess)
         infos = fetch_metadata(peer.host, peer.port, ranks, engine_id=peer.engine_id,
@@ -364,9 +367,11 @@ class _RankEngine:
             )
         peer.incarnation = first.incarnation
         peer.plan, peer.infos, peer.spec = plan, infos, first.spec()
+        t1 = time.perf_counter()
         for q in ranks:
             peer.agents[q] = self.agent.add_remote(infos[q].agent_metadata)
             self.agent.connect(peer.agents[q])
+        t2 = time.perf_counter()
         for q in listed:
             rd, local_side = self._descriptors(peer, q, plan)
             mine = rd.local_descs(strided=True) if local_side else rd.remote_descs(strided=True)
@@ -376,6 +381,7 @@ class _RankEngine:
             peer.remote_lists[q] = self.agent.prepare(peer.agents[q], theirs, self.config.mem_type,
                                                       self.config.allow_strided)
             peer.descs[q] = rd
+        peer.phases_ms = ((t1 - t0) * 1e3, (t2 - t1) * 1e3, (time.perf_counter() - t2) * 1e3)
 
     def _remote_geometry(self, peer: _Peer, q: int) -> RegionGeometry:
         """Peer rank ``q``'s regions from its handshake numbers (checked against its description)."""
@@ -440,6 +446,10 @@ class _RankEngine:
             self.stats.handshake_ms += peer.handshake_ms
             if err is None:
                 peer.state = "ready"
+                meta_ms, agents_ms, lists_ms = peer.phases_ms
+                log.info("handshake with engine %s (TP %d) took %.1f ms: metadata %.1f ms, agents "
+                         "%.1f ms, lists %.1f ms", peer.engine_id, peer.tp_size, peer.handshake_ms,
+                         meta_ms, agents_ms, lists_ms)
             else:
                 log.warning("handshake with engine %s failed: %s", peer.engine_id, err)
                 peer.error = err

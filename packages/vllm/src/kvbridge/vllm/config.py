@@ -47,6 +47,9 @@ CONFIG_KEYS: tuple[ConfigKey, ...] = (
               "NIXL backends, a list (environment: comma-separated)"),
     ConfigKey("ucx_threads", ("KVBRIDGE_UCX_THREADS",), 1,
               "progress threads of the NIXL UCX backend (0 = none)"),
+    ConfigKey("progress_thread", ("KVBRIDGE_PROGRESS_THREAD",), False,
+              "run NIXL's progress thread in every agent (spins a core while idle; the connector "
+              "polls NIXL every engine step instead)"),
     ConfigKey("lease_seconds", ("KVBRIDGE_LEASE_SECONDS",), 120.0,
               "how long prefill holds a request's blocks for decode without renewal"),
     ConfigKey("heartbeat_seconds", ("KVBRIDGE_HEARTBEAT_SECONDS",), None,
@@ -73,6 +76,7 @@ class ConnectorConfig:
     mode: Mode = "pull"
     backends: tuple[str, ...] = ("UCX",)
     ucx_threads: int = 1
+    progress_thread: bool = False
     lease_seconds: float = 120.0
     heartbeat_seconds: float = 30.0
     handshake_timeout_seconds: float = 10.0
@@ -197,6 +201,7 @@ _PARSERS: dict[str, Callable[[str, Any, str | None], Any]] = {
     "handshake_timeout_seconds": _seconds,
     "transfer_timeout_seconds": _seconds,
     "enforce_compat": _bool,
+    "progress_thread": _bool,
     "side_channel_host": _host,
     "side_channel_port": lambda k, v, e: _int(k, v, e, lo=1, hi=65535),
 }

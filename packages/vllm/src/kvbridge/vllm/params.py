@@ -60,6 +60,8 @@ class RemotePrefill:
     pp_size: int = 1
     block_size: int | None = None
     expiry_time: float | None = None
+    #: the prefill engine's incarnation (fresh per start), to detect restarts
+    incarnation: str = ""
 
     def __post_init__(self) -> None:
         _check_str("remote_engine_id", self.engine_id)
@@ -77,6 +79,13 @@ class RemotePrefill:
             raise ParamsError(f"transfer_mode must be 'pull' or 'push', got {self.mode!r}")
         if not isinstance(self.token, str):
             raise ParamsError(f"kvbridge_token must be a string, got {self.token!r}")
+        if not isinstance(self.incarnation, str):
+            raise ParamsError(f"kvbridge_incarnation must be a string, got {self.incarnation!r}")
+
+    @property
+    def from_kvbridge(self) -> bool:
+        """True when a kvbridge prefill engine issued these parameters (they carry its token)."""
+        return bool(self.token)
 
     @property
     def num_blocks(self) -> int:
@@ -129,6 +138,7 @@ def encode_remote_prefill(rp: RemotePrefill) -> dict[str, Any]:
         "transfer_mode": rp.mode,
         "kvbridge_version": PARAMS_VERSION,
         "kvbridge_token": rp.token,
+        "kvbridge_incarnation": rp.incarnation,
     }
     if rp.block_size is not None:
         out["remote_block_size"] = rp.block_size
@@ -195,4 +205,5 @@ def decode_remote_prefill(params: Mapping[str, Any]) -> RemotePrefill:
         pp_size=opt("pp_size", 1),
         block_size=params.get("remote_block_size"),
         expiry_time=params.get("remote_blocks_expiry_time"),
+        incarnation=opt("kvbridge_incarnation", ""),
     )
