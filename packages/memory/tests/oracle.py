@@ -5,6 +5,14 @@ full, unsharded cache with a distinct int32 code at every
 (layer, K/V, token, head, dim) and every Mamba state entry, laid out in memory
 the way an engine would; kvbridge only sees the tensors, the topology plan and
 the block ids. Copies are plain byte copies on one uint8 arena per rank.
+
+Packed caches (vLLM >= 0.32) hold K and V of each head together. With HND the
+memory of one kernel block is ``[heads, ...]`` and each head's slice is either
+K rows then V rows (``[2, tokens, dim]``, vLLM's CPU backend, ``packed_inner
+="kv-rows"``) or K|V per token (``[tokens, 2, dim]``, FlashAttention,
+``"token-kv"``); with NHD it is ``[tokens, heads, 2, dim]``. Both engines use
+the same arrangement (same backend); kvbridge never looks inside a head slice,
+so every arrangement must come out byte-exact.
 """
 
 from __future__ import annotations
@@ -62,6 +70,12 @@ class Case:
     d_layout: Layout | None = None
     p_cross: bool | None = None
     d_cross: bool | None = None
+    #: packed layout: inside of one head slice ("kv-rows": K rows then V rows, "token-kv": K|V
+    #: per token; HND only) and the tensor handed to kvbridge ("4d": vLLM's logical
+    #: [blocks, heads, tokens, 2*dim] / [blocks, tokens, heads, 2*dim]; "permuted": the other
+    #: order's logical view of the same memory; "flat": [blocks, block numel])
+    packed_inner: str = "kv-rows"
+    packed_view: str = "4d"
 
     def side_layout(self, side: str) -> Layout:
         own = self.p_layout if side == "p" else self.d_layout
@@ -185,6 +199,19 @@ def build_rank(case: Case, spec: EngineSpec, rank: int, num_blocks: int, fill: i
         return r
     per_layer = kinds * nbk * elem_numel
     arena = torch.full((L * per_layer,), fill, dtype=torch.int32, device=case.device)
+    if spec.is_packed:
+        for layer in range(L):
+            flat = arena[layer * per_layer:(layer + 1) * per_layer]
+            canon, logical = _packed_views(case, spec, flat, nbk, h, kbs, D)
+            r.attn.append(canon)
+            if case.packed_view == "flat":
+                r.caches.append(flat.view(nbk, -1))
+            elif case.packed_view == "permuted":
+                r.caches.append(logical.transpose(1, 2))
+            else:
+                r.caches.append(logical)
+        r.arena = arena.view(torch.uint8)
+        return r
     for layer in range(L):
         flat = arena[layer * per_layer:(layer + 1) * per_layer]
         if spec.use_mla:
@@ -199,6 +226,23 @@ def build_rank(case: Case, spec: EngineSpec, rank: int, num_blocks: int, fill: i
         r.caches.append(mem)
     r.arena = arena.view(torch.uint8)
     return r
+
+
+def _packed_views(case: Case, spec: EngineSpec, flat: torch.Tensor, nbk: int, h: int, kbs: int,
+                  D: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(canonical [2, NBk, kbs, h, D] view, vLLM-style logical tensor) of one packed layer."""
+    if spec.head_order is HeadOrder.NHD:
+        mem = flat.view(nbk, kbs, h, 2, D)  # per token, per head: K | V
+        return mem.permute(3, 0, 1, 2, 4), flat.view(nbk, kbs, h, 2 * D)
+    if case.packed_inner == "kv-rows":
+        mem = flat.view(nbk, h, 2, kbs, D)  # per head: K rows, then V rows
+        canon = mem.permute(2, 0, 3, 1, 4)
+    elif case.packed_inner == "token-kv":
+        mem = flat.view(nbk, h, kbs, 2, D)  # per head, per token: K | V
+        canon = mem.permute(3, 0, 2, 1, 4)
+    else:
+        raise ValueError(f"unknown packed_inner {case.packed_inner!r}")
+    return canon, flat.view(nbk, h, kbs, 2 * D)
 
 
 def _contig(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -346,6 +390,9 @@ def run_case(case: Case) -> dict:
         prefill.append((r, geo))
 
     stats = {"descs": 0, "rows": 0, "post": plan.post_process.needed}
+    if d_spec.is_packed or p_spec.is_packed:
+        assert d_spec.is_packed and p_spec.is_packed, "topology planned a packed/unpacked pair"
+        assert not plan.post_process.needed, "a packed pair must never need post-processing"
     for d in range(case.d_tp):
         loc = build_rank(case, d_spec, d, NBd, SENTINEL)
         before = loc.arena.clone()

@@ -14,6 +14,7 @@ from kvbridge.memory import kernel_spec
 from kvbridge.topology import HeadOrder, Layout, MambaSpec, TopologyError, plan_transfer
 
 H, N = HeadOrder.HND, HeadOrder.NHD
+P = Layout.PACKED
 
 
 def _mamba(**kw) -> MambaSpec:
@@ -70,6 +71,21 @@ PINNED = {
                                     p_cross=True, d_cross=False, d_layout=Layout.KV_FIRST),
     "kv_first_to_cross_layer": Case(K=4, p_tp=4, d_tp=2, p_layout=Layout.KV_FIRST,
                                     d_layout=Layout.BLOCKS_FIRST, d_cross=True, strided=True),
+    # packed (vLLM >= 0.32): K and V of each head together; pairs only with packed
+    "packed_tp4_to_tp2": Case(K=8, p_tp=4, d_tp=2, layout=P),
+    "packed_tp2_to_tp4_replicated": Case(K=2, p_tp=2, d_tp=4, layout=P, strided=True),
+    "packed_tp8_to_tp2_duplicates": Case(K=2, p_tp=8, d_tp=2, layout=P, packed_inner="token-kv"),
+    "packed_tp1_to_tp1": Case(K=4, p_tp=1, d_tp=1, layout=P, tokens=16),
+    "packed_tp2_to_tp8_prefix_hit": Case(K=8, p_tp=2, d_tp=8, layout=P, skip_blocks=2, tokens=17,
+                                         packed_view="flat", strided=True),
+    "packed_kernel_split_decode": Case(K=4, p_tp=2, d_tp=4, layout=P, p_block=4, d_block=8,
+                                       d_kernel=2, skip_blocks=1, tokens=21),
+    "packed_kernel_split_prefill": Case(K=4, p_tp=4, d_tp=2, layout=P, p_block=8, p_kernel=2,
+                                        d_block=4, packed_inner="token-kv"),
+    "packed_non_dividing_tp": Case(K=6, p_tp=3, d_tp=2, layout=P, packed_view="permuted"),
+    "packed_nhd_same_tp": Case(K=4, p_tp=2, d_tp=2, layout=P, p_order=N, d_order=N,
+                               packed_view="permuted"),
+    "packed_nhd_one_head_per_rank": Case(K=4, p_tp=8, d_tp=4, layout=P, p_order=N, d_order=N),
 }
 
 
@@ -87,7 +103,10 @@ def _tps(K: int) -> list[int]:
 
 @st.composite
 def cases(draw) -> Case:
-    kind = draw(st.sampled_from(["attn"] * 4 + ["mla", "mamba", "mamba", "cross"]))
+    kind = draw(st.sampled_from(["attn"] * 4 + ["mla", "mamba", "mamba", "cross", "packed",
+                                                "packed"]))
+    if kind == "packed":
+        return draw(packed_cases())
     mla = kind == "mla"
     K = 1 if mla else draw(st.sampled_from([1, 2, 4, 8] if kind != "mamba" else [2, 4, 8]))
     tps = _tps(K) if kind != "mamba" else [t for t in _tps(K) if 8 % t == 0]
@@ -135,12 +154,47 @@ def cases(draw) -> Case:
     return case
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.filter_too_much,
+@st.composite
+def packed_cases(draw) -> Case:
+    """Packed on both sides (it pairs with nothing else): one head order and one inner
+    arrangement (one backend), equal kernel block sizes, logical sizes through kernel splits."""
+    K = draw(st.sampled_from([1, 2, 4, 8]))
+    tps = _tps(K)
+    p_tp, d_tp = draw(st.sampled_from(tps)), draw(st.sampled_from(tps))
+    order = draw(st.sampled_from([H, H, N]))
+    kb = draw(st.sampled_from([1, 2, 4]))
+    p_kernel, d_kernel = draw(st.sampled_from([1, 2])), draw(st.sampled_from([1, 2, 4]))
+    tokens = draw(st.integers(1, 26))
+    d_block = kb * d_kernel
+    d_blocks = -(-tokens // d_block)
+    case = Case(
+        K=K, p_tp=p_tp, d_tp=d_tp, layers=draw(st.sampled_from([1, 2])),
+        head_dim=draw(st.sampled_from([1, 2, 3])), layout=P, p_order=order, d_order=order,
+        p_block=kb * p_kernel, d_block=d_block, p_kernel=p_kernel, d_kernel=d_kernel,
+        tokens=tokens, skip_blocks=draw(st.integers(0, d_blocks)) if draw(st.booleans()) else 0,
+        strided=draw(st.booleans()), seed=draw(st.integers(0, 2**16)),
+        packed_inner=draw(st.sampled_from(["kv-rows", "token-kv"])),
+        packed_view=draw(st.sampled_from(["4d", "permuted", "flat"])),
+    )
+    try:
+        plan_transfer(kernel_spec(case.spec("p")), kernel_spec(case.spec("d")))
+    except TopologyError as exc:
+        # the only refusal here: heads split across ranks while they interleave per token
+        assert order is N and "HND" in str(exc), exc
+        assume(False)
+    return case
+
+
+@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.filter_too_much,
                                                                    HealthCheck.too_slow])
 @given(cases())
 def test_oracle_grid(case):
     stats = run_case(case)
-    kind = "mla" if case.mla else "mamba" if case.mamba else "cross" if case.cross_layer else "attn"
+    kind = ("mla" if case.mla else "mamba" if case.mamba else "cross" if case.cross_layer
+            else "packed" if case.layout is P else "attn")
+    if kind == "packed":
+        event(f"packed={case.p_order.value}/{case.packed_inner}/{case.packed_view}")
+        event(f"packed_kernel_split={case.p_kernel != case.d_kernel}")
     event(f"kind={kind}")
     mixed = (case.side_layout("p"), case.side_cross("p")) != (case.side_layout("d"),
                                                                case.side_cross("d"))
@@ -162,6 +216,36 @@ def test_oracle_catches_a_wrong_offset(monkeypatch):
     monkeypatch.setattr("oracle.rank_descriptors", shifted)
     with pytest.raises(AssertionError):
         run_case(Case(K=8, p_tp=8, d_tp=2))
+    with pytest.raises(AssertionError):
+        run_case(PINNED["packed_tp4_to_tp2"])
+
+
+def test_oracle_catches_k_only_head_slices_for_packed(monkeypatch):
+    """A planner that forgot that a packed head slice holds K and V (half-length reads at
+    half offsets) is caught."""
+    import kvbridge.topology.plan as plan_mod
+
+    monkeypatch.setattr(plan_mod, "_unit_head_bytes",
+                        lambda local, remote: plan_mod.unit_tokens(local, remote)
+                        * local.head_dim * local.dtype_size)
+    with pytest.raises(AssertionError):
+        run_case(PINNED["packed_tp2_to_tp8_prefix_hit"])
+
+
+def test_oracle_packed_arrangements_really_differ():
+    """The inner arrangements put the same values at different bytes, so an oracle run that
+    passes for each of them shows that kvbridge moved whole head slices without looking in."""
+    from oracle import Full, build_rank, fill_attention
+
+    arenas = []
+    for inner in ("kv-rows", "token-kv"):
+        case = Case(K=2, p_tp=1, d_tp=1, layout=P, packed_inner=inner, tokens=8)
+        r = build_rank(case, case.spec("d"), 0, 2, 0)
+        fill_attention(r, Full(case), [0, 1], 0, 8)
+        assert r.caches[0].shape == (2, 2, 4, 4)  # vLLM's [blocks, heads, tokens, 2 * dim]
+        arenas.append(r.arena.clone())
+    assert not torch.equal(arenas[0], arenas[1])
+    assert torch.equal(arenas[0].sort().values, arenas[1].sort().values)
 
 
 def test_oracle_catches_missing_post_process(monkeypatch):

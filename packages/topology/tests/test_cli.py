@@ -67,10 +67,41 @@ def test_plan_svg_is_wellformed(tmp_path):
     assert sum(1 for t in texts if t and t.startswith("read ")) == 8
 
 
+def test_plan_packed_layout_text_json_svg(tmp_path):
+    base = ["plan", "--prefill-tp", "4", "--decode-tp", "2", "--kv-heads", "8", "--layout", "packed"]
+    out = run(*base)
+    assert out.returncode == 0, out.stderr
+    assert "prefill: TP 4, 2 head(s)/rank, block 16 tokens, packed HND" in out.stdout
+    assert "within one packed K+V element of a 16-token unit" in out.stdout
+    # each P rank's whole element (2 heads x K and V x 16 tokens x 128 x 2 B) side by side
+    assert "D1: sources [2, 3]  reads P2[0:16384]->@0, P3[0:16384]->@16384" in out.stdout
+    assert "descriptors/block 160" in out.stdout  # 80 layers x one region x 2 reads
+    assert "160.0 KiB per token per decode rank" in out.stdout  # same bytes as kv-first
+    doc = json.loads(run(*base, "--json").stdout)
+    for side in ("prefill", "decode"):
+        assert doc[side]["layout"] == "packed"
+    assert doc["decode"]["element_bytes"] == doc["decode"]["region_block_bytes"] == 4 * 8192
+    assert doc["post_process"]["needed"] is False
+    assert doc["decode_ranks"][1]["reads"][1] == {
+        "prefill_rank": 3, "remote_offset": 0, "length": 16384, "local_offset": 16384}
+    svg = tmp_path / "packed.svg"
+    assert run(*base, "--svg", str(svg)).returncode == 0
+    texts = [t.text for t in ET.parse(svg).getroot().iter("{http://www.w3.org/2000/svg}text")]
+    assert texts.count("read 16384 B @0") == 4
+
+
 @pytest.mark.parametrize(
     "args, needle",
     [
         (["--prefill-tp", "3", "--decode-tp", "1", "--kv-heads", "8"], "use a TP size that divides 8"),
+        (["--prefill-tp", "2", "--decode-tp", "1", "--kv-heads", "8", "--layout", "packed", "--mla"],
+         "use layout kv-first"),
+        (["--prefill-tp", "2", "--decode-tp", "1", "--kv-heads", "8", "--layout", "packed", "--mamba"],
+         "not supported with the packed layout"),
+        (["--prefill-tp", "2", "--decode-tp", "1", "--kv-heads", "8", "--layout", "packed",
+          "--decode-block-size", "32"], "equal kernel (physical) block sizes"),
+        (["--prefill-tp", "2", "--decode-tp", "1", "--kv-heads", "8", "--layout", "packed",
+          "--head-order", "NHD"], "set both engines' KV cache layout to HND"),
         (["--prefill-tp", "2", "--decode-tp", "1", "--kv-heads", "8", "--prefill-block-size", "24"],
          "must be a multiple"),
         (["--prefill-tp", "2", "--decode-tp", "1", "--kv-heads", "8", "--head-order", "NHD"], "HND"),

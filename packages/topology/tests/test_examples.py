@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from kvbridge.topology import (
@@ -185,3 +187,103 @@ def test_kernel_block_splits_plan_per_physical_block():
     with pytest.raises(TopologyError, match="kernel block sizes 6 and 4"):
         plan_transfer(mk("p", 1), EngineSpec("d", tp_size=1, num_kv_heads=4, head_dim=8, num_layers=1,
                                              block_size=24, kernel_blocks_per_block=4, dtype="fp32"))
+
+
+# ----- the packed layout (vLLM >= 0.32: K and V of each head together) ------------------------
+
+PHB = 2 * HB  # one head's K and V over a 16-token block: 8192 bytes
+
+
+def packed70b(engine_id: str, tp: int, **kw) -> EngineSpec:
+    return llama70b(engine_id, tp, layout=Layout.PACKED, **kw)
+
+
+def test_packed_engine_sizes():
+    s = packed70b("d", 2)
+    kv = llama70b("d", 2)
+    assert s.head_bytes == PHB and s.element_bytes == 4 * PHB
+    assert s.region_block_bytes == s.computed_block_bytes == 4 * PHB == 2 * kv.region_block_bytes
+    assert s.elements_per_block_region == 1 and s.regions_per_layer == 1
+    assert not s.separate_kv_regions
+    assert s.bytes_per_token == kv.bytes_per_token == 4 * 128 * 2 * 2 * 80  # K and V once each
+    lay = plan_transfer(packed70b("p", 4), s).decode_layout
+    assert lay.regions == 80 and lay.elements_per_block == 1 and lay.element_offsets == (0,)
+    assert lay.element_roles[:2] == ((0, 2), (1, 2))
+    # a measured, padded block is accepted like any other layout's
+    padded = packed70b("d", 2, block_bytes=4 * PHB + 256)
+    assert padded.element_bytes == 4 * PHB + 256
+
+
+def test_packed_p4_to_d2_reads_two_whole_elements():
+    plan = plan_transfer(packed70b("p", 4), packed70b("d", 2))
+    assert plan.tp_ratio == -2
+    assert plan.rank(1).handshake_ranks == (2, 3)
+    # P2 holds heads 4-5, P3 heads 6-7: each whole packed element lands side by side
+    assert plan.rank(1).reads == (ReadOp(2, 0, 2 * PHB, 0), ReadOp(3, 0, 2 * PHB, 2 * PHB))
+    assert plan.rank(1).local_unit_bytes == 4 * PHB and plan.rank(1).remote_unit_bytes == 2 * PHB
+    assert not plan.post_process.needed
+    assert plan.descriptors_per_block(0) == 80 * 2  # one region per layer x 2 reads
+    assert [q.notifications_per_request for q in plan.prefill_ranks] == [1] * 4
+
+
+def test_packed_p2_to_d8_reads_one_head_slice():
+    plan = plan_transfer(packed70b("p", 2), packed70b("d", 8))
+    d5 = plan.rank(5)
+    assert d5.handshake_ranks == (1,)
+    assert d5.reads == (ReadOp(1, PHB, PHB, 0),)  # head 5 = the second of P1's heads 4..7
+    assert plan.descriptors_per_block(5) == 80
+
+
+def test_packed_duplicate_and_replicated_heads():
+    # P16 -> D8 with 8 heads: P ranks 2r and 2r+1 both hold head r; read one, notify the other
+    plan = plan_transfer(packed70b("p", 16), packed70b("d", 8))
+    for r in range(8):
+        assert plan.rank(r).reads == (ReadOp(2 * r, 0, PHB, 0),)
+        assert plan.rank(r).notify_only_ranks == (2 * r + 1,)
+    # P2 -> D16 (decode replicates): D ranks 2h and 2h+1 both read head h
+    plan = plan_transfer(packed70b("p", 2), packed70b("d", 16))
+    assert plan.rank(11).reads == (ReadOp(1, PHB, PHB, 0),)  # head 5
+    assert not plan.post_process.needed
+
+
+def test_packed_non_divisible_tp_reads_head_slices():
+    mk = lambda i, tp: EngineSpec(i, tp_size=tp, num_kv_heads=6, head_dim=64, num_layers=2,
+                                  block_size=16, layout="packed")
+    plan = plan_transfer(mk("p", 3), mk("d", 2))
+    hb = 2 * 16 * 64 * 2
+    assert plan.rank(1).reads == (ReadOp(1, hb, hb, 0), ReadOp(2, 0, 2 * hb, hb))
+
+
+def test_packed_kernel_split_with_equal_kernel_blocks():
+    # decode logical blocks of 32 tokens made of two 16-token kernel blocks; prefill blocks of 16
+    plan = plan_transfer(packed70b("p", 2), packed70b("d", 4, block_size=32, kernel_blocks_per_block=2))
+    assert plan.block_size_ratio == 2 and plan.rank(0).unit_tokens == 16
+    assert plan.rank(3).reads == (ReadOp(1, 2 * PHB, 2 * PHB, 0),)
+    assert plan.descriptors_per_block(3) == 80 * 2  # 2 kernel blocks per decode block
+    pp = plan.post_process
+    assert not pp.needed and pp.units_per_block == 1
+
+
+@pytest.mark.parametrize(
+    "prefill, decode, needle",
+    [
+        (dict(tp=2), dict(tp=2, layout=Layout.KV_FIRST), "cache layouts kv-first and packed cannot be paired"),
+        (dict(tp=2, layout=Layout.BLOCKS_FIRST), dict(tp=2), "cache layouts packed and blocks-first cannot be paired"),
+        (dict(tp=2), dict(tp=2, head_order="NHD"), "same head order"),
+        (dict(tp=2, block_size=32), dict(tp=2), "equal kernel (physical) block sizes"),
+        (dict(tp=1, block_size=32, kernel_blocks_per_block=2), dict(tp=1, block_size=32),
+         "got 32 and 16 tokens"),
+        (dict(tp=4, head_order="NHD"), dict(tp=2, head_order="NHD"), "set both engines' KV cache"),
+    ],
+)
+def test_packed_pairs_that_are_refused(prefill, decode, needle):
+    pt, dt = prefill.pop("tp"), decode.pop("tp")
+    prefill.setdefault("layout", Layout.PACKED)
+    decode.setdefault("layout", Layout.PACKED)
+    with pytest.raises(TopologyError, match=re.escape(needle)):
+        plan_transfer(llama70b("p", pt, **prefill), llama70b("d", dt, **decode))
+
+
+def test_packed_nhd_is_served_when_no_head_is_split():
+    plan = plan_transfer(packed70b("p", 2, head_order="NHD"), packed70b("d", 2, head_order="NHD"))
+    assert plan.rank(1).reads == (ReadOp(1, 0, 4 * PHB, 0),) and not plan.post_process.needed

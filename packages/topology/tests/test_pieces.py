@@ -7,13 +7,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvbridge.topology import (
+    KIND_K,
+    KIND_KV,
+    KIND_V,
     EngineSpec,
     Layout,
+    ReadOp,
     TopologyError,
     TransferKey,
     UnitMatch,
     block_size_ratio,
     blocks_for_tokens,
+    element_kinds,
     element_layout,
     head_range,
     kernel_block_ids,
@@ -121,6 +126,9 @@ def test_registry_registers_once_and_refuses_conflicts():
         (dict(dtype="fp9"), "unknown dtype"),
         (dict(block_bytes=100), "smaller than"),
         (dict(layout="diagonal"), "diagonal"),
+        (dict(layout="packed", use_mla=True, num_kv_heads=1), "cannot use the packed layout; use layout kv-first"),
+        (dict(layout="packed", cross_layer=True), "cross-layer cache with the packed layout is not supported yet"),
+        (dict(layout="packed", block_bytes=2 * 8 * 16 * 64 * 2 - 2), "smaller than"),
     ],
 )
 def test_engine_spec_validation(kw, needle):
@@ -144,3 +152,27 @@ def test_element_layouts():
     assert cl.region_block_bytes == 4 * kv.element_bytes
     measured = spec(tp=2, layout=Layout.BLOCKS_FIRST, block_bytes=2 * kv.element_bytes + 512)
     assert measured.region_block_bytes == 2 * kv.element_bytes + 512
+    pk = element_layout(spec(tp=2, layout=Layout.PACKED))
+    assert not pk.separate_kv_regions and pk.regions == 2 and pk.elements_per_block == 1
+    assert pk.element_bytes == pk.region_block_bytes == 2 * kv.element_bytes
+    assert pk.element_offsets == (0,) and pk.element_roles == ((0, KIND_KV), (1, KIND_KV))
+    assert element_kinds(spec(layout=Layout.PACKED)) == (KIND_KV,) == (2,)
+    assert element_kinds(spec()) == (KIND_K, KIND_V) == (0, 1)
+    assert element_kinds(spec(use_mla=True, num_kv_heads=1)) == (KIND_K,)
+
+
+def test_packed_refuses_mamba_with_its_own_message():
+    from kvbridge.topology import MambaSpec
+
+    m = MambaSpec(ssm_heads=8, ssm_head_dim=8, state_size=8, n_groups=1, conv_width=2)
+    with pytest.raises(TopologyError, match="not supported with the packed layout; use layout blocks-first"):
+        spec(layout="packed", mamba=m)
+
+
+def test_registry_refuses_packed_against_other_layouts():
+    reg = RemoteEngineRegistry(spec("local", tp=2, layout=Layout.PACKED))
+    with pytest.raises(TopologyError, match="same vLLM-style packed cache"):
+        reg.register(spec("p0", tp=4))
+    assert reg.register(spec("p1", tp=4, layout=Layout.PACKED)) is True
+    hb = 2 * 16 * 64 * 2  # one head's K and V over a block
+    assert reg.plan("p1", 1).reads == (ReadOp(2, 0, 2 * hb, 0), ReadOp(3, 0, 2 * hb, 2 * hb))

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from kvbridge.topology import (
     EngineSpec,
+    HeadOrder,
     Layout,
     MambaSpec,
     TopologyError,
@@ -49,6 +50,15 @@ def shapes(draw, mla: bool = False, mamba: bool = False):
     layout = Layout.BLOCKS_FIRST if mamba else draw(st.sampled_from(list(Layout)))
     if mla:
         layout = Layout.KV_FIRST
+    p_kernel = d_kernel = 1
+    p_order = d_order = HeadOrder.HND
+    if layout is Layout.PACKED:
+        # packed pairs need equal kernel (physical) block sizes and one head order; the
+        # logical block sizes may still differ through kernel splits
+        p_kernel = draw(st.sampled_from([1, 1, 2, 4]))
+        d_kernel = draw(st.sampled_from([1, 1, 2, 4]))
+        p_bs, d_bs = base * p_kernel, base * d_kernel
+        p_order = d_order = draw(st.sampled_from([HeadOrder.HND, HeadOrder.HND, HeadOrder.NHD]))
     head_dim = draw(st.sampled_from([8, 64, 128]))
     m = None
     if mamba:
@@ -57,22 +67,38 @@ def shapes(draw, mla: bool = False, mamba: bool = False):
         m = MambaSpec(ssm_heads=ssm_heads, ssm_head_dim=8, state_size=16, n_groups=groups, conv_width=3)
     common = dict(num_kv_heads=8 if mla else k, head_dim=head_dim, num_layers=2, dtype="bf16",
                   layout=layout, use_mla=mla, mamba=m)
-    prefill = EngineSpec("p", tp_size=p_tp, block_size=p_bs, **common)
-    decode = EngineSpec("d", tp_size=d_tp, block_size=d_bs, **common)
+    prefill = EngineSpec("p", tp_size=p_tp, block_size=p_bs, kernel_blocks_per_block=p_kernel,
+                         head_order=p_order, **common)
+    decode = EngineSpec("d", tp_size=d_tp, block_size=d_bs, kernel_blocks_per_block=d_kernel,
+                        head_order=d_order, **common)
     return prefill, decode
 
 
 def _check_plan(prefill: EngineSpec, decode: EngineSpec) -> None:
+    packed = decode.layout is Layout.PACKED
     try:
         plan = plan_transfer(prefill, decode)
     except TopologyError as exc:
+        if packed:
+            # the only refusal for the packed pairs drawn: heads split across ranks
+            # while heads are not contiguous (NHD)
+            assert prefill.head_order is HeadOrder.NHD and "HND" in str(exc), exc
+            return
         # The only refusal for valid single-engine shapes: larger remote HND blocks
         # holding several heads (local tokens not contiguous remotely).
         assert decode.block_size < prefill.block_size and prefill.heads_per_rank > 1, exc
         return
     k = decode.kv_heads_for_placement
-    unit_tokens = min(prefill.block_size, decode.block_size)
-    uhb = unit_tokens * decode.head_dim * decode.dtype_size
+    unit_tokens = min(prefill.kernel_block_size, decode.kernel_block_size)
+    # one head per token: head_dim values of K (or V), of K and V together when packed
+    uhb = unit_tokens * decode.head_dim * decode.dtype_size * (2 if packed else 1)
+    if packed:
+        assert unit_tokens == prefill.kernel_block_size == decode.kernel_block_size
+        assert not plan.post_process.needed, "a packed pair must never need post-processing"
+        assert plan.decode_layout.element_roles == tuple((layer, 2) for layer in range(decode.num_layers))
+        # the layout is per logical block: kernel_blocks_per_block units of every head
+        assert plan.decode_layout.element_bytes == (
+            decode.heads_per_rank * uhb * decode.kernel_blocks_per_block)
     sent: dict[int, int] = {}
     for p in plan.decode_ranks:
         mine = _heads(decode.tp_size, k, p.local_rank)
@@ -90,6 +116,9 @@ def _check_plan(prefill: EngineSpec, decode: EngineSpec) -> None:
             assert carried == slots, (r, theirs, mine)
             got.extend(carried)
         assert sorted(got) == mine, "reads must carry every local head exactly once"
+        if packed and decode.head_order is HeadOrder.NHD:
+            # heads interleave per token: only whole elements can be moved
+            assert all(r.length == p.local_unit_bytes == p.remote_unit_bytes for r in p.reads)
         assert set(p.source_ranks) <= set(p.handshake_ranks)
         assert set(p.notify_only_ranks) == set(p.handshake_ranks) - set(p.source_ranks)
         assert len(set(p.handshake_ranks)) == len(p.handshake_ranks)
@@ -185,3 +214,45 @@ def test_mamba_plans(shape):
         assert "Mamba" in str(exc)
         return
     _check_plan(prefill, decode)
+
+
+@st.composite
+def packed_vs_other(draw):
+    """A packed engine against an engine that differs in layout, head order or kernel block size."""
+    k = draw(st.sampled_from([1, 2, 4, 8]))
+    tps = _valid_tps(k, 8)
+    what = draw(st.sampled_from(["layout", "order", "kernel"]))
+    base = dict(num_kv_heads=k, head_dim=draw(st.sampled_from([8, 128])), num_layers=2,
+                layout=Layout.PACKED)
+    a = dict(base, tp_size=draw(st.sampled_from(tps)), block_size=16)
+    b = dict(base, tp_size=draw(st.sampled_from(tps)), block_size=16)
+    if what == "layout":
+        b["layout"] = draw(st.sampled_from([Layout.KV_FIRST, Layout.BLOCKS_FIRST]))
+        b["head_order"] = draw(st.sampled_from(list(HeadOrder)))
+    elif what == "order":
+        a["head_order"], b["head_order"] = draw(st.permutations([HeadOrder.HND, HeadOrder.NHD]))
+    else:
+        # logical sizes may even be equal: the kernel (physical) sizes decide
+        b["block_size"] = draw(st.sampled_from([16, 32, 64]))
+        b["kernel_blocks_per_block"] = draw(st.sampled_from(
+            [n for n in (1, 2, 4) if b["block_size"] // n != 16]))
+    pair = [EngineSpec("a", **a), EngineSpec("b", **b)]
+    if draw(st.booleans()):
+        pair.reverse()
+    return what, pair[0], pair[1]
+
+
+@settings(max_examples=200, deadline=None)
+@given(packed_vs_other())
+def test_packed_pairs_only_with_packed_of_same_order_and_kernel_size(case):
+    what, prefill, decode = case
+    needle = {"layout": "both engines must use the same vLLM-style packed cache",
+              "order": "same head order", "kernel": "equal kernel (physical) block sizes"}[what]
+    try:
+        plan_transfer(prefill, decode)
+    except TopologyError as exc:
+        assert needle in str(exc), exc
+        if what == "layout":
+            assert "packed" in str(exc) and ("kv-first" in str(exc) or "blocks-first" in str(exc))
+    else:
+        raise AssertionError(f"{what}: {prefill} -> {decode} was planned")

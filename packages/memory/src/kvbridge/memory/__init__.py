@@ -8,7 +8,9 @@ Conventions
 * A *region* is one registrable, contiguous memory range holding ``num_blocks``
   blocks ``block_stride`` bytes apart: the K or the V tensor of one layer
   (kv-first), one layer's ``[blocks, 2, ...]`` tensor (blocks-first, K half then
-  V half), one layer's MLA latent, the single cross-layer tensor, or one hybrid
+  V half), one layer's packed tensor (one element per block holding K and V of
+  every head, e.g. vLLM's ``[blocks, heads, tokens, 2*dim]``; its inside is never
+  interpreted), one layer's MLA latent, the single cross-layer tensor, or one hybrid
   layer's shared page tensor (attention K/V *or* Mamba conv+SSM state per page).
 * Blocks are *logical* (the engine's ``block_size``). An attention kernel may
   split each logical block into ``kernel_blocks_per_block`` physical blocks;
@@ -31,7 +33,7 @@ Regions (``kvbridge.memory.regions``)
 num_blocks (logical), block_stride (bytes between logical blocks),
 element_bytes, element_offsets`` (attention elements within a *kernel* block),
 ``roles`` (per element, the ``(layer, kind)`` pairs stored there; kind 0 = K or
-MLA latent, 1 = V; several layers when a tensor is shared) and
+MLA latent, 1 = V, 2 = packed K+V; several layers when a tensor is shared) and
 ``mamba_layers`` (Mamba layers whose conv + SSM state share the pages).
 
 ``regions_from_kv_caches(kv_caches, spec) -> CacheRegions``: ``kv_caches`` is a
@@ -85,7 +87,8 @@ regions; ``.regions`` (DRAM ``CacheRegions`` to register/describe instead),
 ``post_process(cache_regions, block_ids, post, spec=None)``: in-place rearrangement
 of received blocks per ``topology.PostProcess`` (HND<->NHD, ``units`` smaller
 remote blocks ``[units, heads, tokens, dim]`` -> ``[heads, units*tokens, dim]``,
-or both). ``block_ids`` are local logical ids.
+or both). ``block_ids`` are local logical ids. Packed caches are never
+rearranged (raises ``MemoryLayoutError`` if ``post.needed``).
 
 Payload helpers (``kvbridge.memory.payload``)
 ---------------------------------------------

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvbridge.topology import RankPlan
+from kvbridge.topology import KIND_KV, RankPlan
 
 from .errors import MemoryLayoutError
 from .geometry import RegionGeometry
@@ -251,6 +251,13 @@ def _pair_roles(local: RegionGeometry, remote: RegionGeometry, hybrid: bool) -> 
             f"the remote has {remote.num_regions} x {remote.elements_per_block}, and the (layer, kind) "
             "of every element is not known on both sides (elements shared by several layers); use "
             "the same KV-cache layout on both engines"
+        )
+    packed = [any(kind == KIND_KV for _, kind in geo.element_roles) for geo in (local, remote)]
+    if packed[0] != packed[1]:
+        raise MemoryLayoutError(
+            f"the {'local' if packed[0] else 'remote'} cache is packed (K and V of each head "
+            "together) and the other is not; a packed cache pairs only with a packed cache, so "
+            "use the same vLLM-style packed layout on both engines"
         )
     where = {role: i for i, role in enumerate(remote.element_roles)}
     if len(where) != n_remote or len(set(local.element_roles)) != n_local:

@@ -26,6 +26,11 @@ def split_kv(kv: torch.Tensor | Sequence[torch.Tensor], layout: Layout | str) ->
             raise MemoryLayoutError(f"K {tuple(k.shape)} and V {tuple(v.shape)} differ in shape")
         return k, v
     layout = Layout(layout)
+    if layout is Layout.PACKED:
+        raise MemoryLayoutError(
+            "a packed cache keeps K and V of each head together in a backend-specific order, so "
+            "split_kv cannot separate them; move packed blocks whole (or by whole heads)"
+        )
     if layout is Layout.KV_FIRST:
         if kv.dim() < 1 or kv.shape[0] != 2:
             raise MemoryLayoutError(f"kv-first KV must be [2, ...], got {tuple(kv.shape)}")

@@ -32,11 +32,21 @@ def post_process(
 
     ``post`` comes from ``plan_transfer(kernel_spec(prefill), kernel_spec(decode))``;
     ``spec`` is the local engine (default ``regions.spec``). Does nothing when
-    ``post.needed`` is false. Mamba pages are never touched.
+    ``post.needed`` is false. Mamba pages are never touched. A packed cache is
+    never rearranged: the order inside its head slices is backend-specific (and
+    topology refuses every packed pair that would need it).
     """
     if not post.needed:
         return
     spec = spec or regions.spec
+    if spec.is_packed:
+        raise MemoryLayoutError(
+            f"engine {spec.engine_id!r} uses the packed layout, whose head slices hold K and V in "
+            "a backend-specific order, so received blocks cannot be rearranged "
+            f"({post.source_order.value} -> {post.target_order.value}, {post.units_per_block} "
+            "unit(s) per block); plan with plan_transfer(), which pairs packed caches only when "
+            "head order and kernel block size are equal"
+        )
     ksp = kernel_spec(spec)
     n = spec.kernel_blocks_per_block
     units, ut = post.units_per_block, post.unit_tokens

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from kvbridge.topology import EngineSpec
+from kvbridge.topology import KIND_KV, EngineSpec
 
 from .errors import MemoryLayoutError
 from .geometry import kernel_spec
@@ -32,7 +32,8 @@ class Region:
     attention elements (K, V or the MLA latent) are ``element_bytes`` long at
     ``element_offsets`` within the kernel block. ``roles[i]`` lists the
     ``(layer, kind)`` pairs stored at ``element_offsets[i]`` (kind 0 = K or the
-    MLA latent, 1 = V; several layers when a tensor is shared).
+    MLA latent, 1 = V, 2 = K and V of each head together in the packed layout;
+    several layers when a tensor is shared).
     ``mamba_layers`` are the Mamba layers whose conv + SSM state share the
     region's pages (conv state at page offset 0, SSM state right after it).
     """
@@ -180,6 +181,15 @@ def _attention_views(t: torch.Tensor, layer: int, spec: EngineSpec, what: str) -
         els = [(i * elem, elem, (first_layer + i // kinds, i % kinds)) for i in range(count)]
         views.append(_View(t.data_ptr(), stride, nb, els, [], t, what))
         return views
+    if spec.is_packed:
+        # [kernel blocks, ...]: one dense K+V element per block, whatever the inner shape
+        # (vLLM: [blocks, heads, tokens, 2*head_dim] for HND, [blocks, tokens, heads, 2*head_dim]
+        # for NHD); its inner order is the backend's business and is never looked at
+        nbk, kstride = _block_dim(t, what)
+        nb, stride = _to_logical(nbk, kstride, n, what)
+        elem = _dense_bytes(t[0]) if nbk else 0
+        views.append(_View(t.data_ptr(), stride, nb, [(0, elem, (layer, KIND_KV))], [], t, what))
+        return views
     if spec.separate_kv_regions:
         if t.shape[0] != 2:
             raise MemoryLayoutError(
@@ -256,8 +266,10 @@ def regions_from_kv_caches(
 
     ``kv_caches``: one entry per layer in layer order (a mapping keeps its
     insertion order): an attention layer's cache tensor in ``spec.layout`` —
-    ``[2, blocks, ...]`` (kv-first), ``[blocks, 2, ...]`` (blocks-first) or
-    ``[blocks, ...]`` (MLA) — or, for a hybrid model's Mamba layer, the pair
+    ``[2, blocks, ...]`` (kv-first), ``[blocks, 2, ...]`` (blocks-first),
+    ``[blocks, ...]`` (MLA) or ``[blocks, ...]`` with K and V of each head
+    together (packed, e.g. vLLM's ``[blocks, heads, tokens, 2*head_dim]``; any
+    shape whose blocks are dense) — or, for a hybrid model's Mamba layer, the pair
     ``(conv_state, ssm_state)``, each ``[blocks, ...]``. A cross-layer cache is
     the single ``[blocks, ...]`` tensor (or its per-layer views). The block
     dimension counts kernel blocks for attention tensors and logical blocks
@@ -350,10 +362,11 @@ def _merge(views: list[_View], spec: EngineSpec, mem_type: str, device_id: int) 
             )
         elem = ebytes.pop() if ebytes else want_elem
         if offsets and elem != want_elem:
+            kv = " x 2 (K and V)" if spec.is_packed else ""
             raise MemoryLayoutError(
                 f"{base.what}: a block element holds {elem} bytes but engine {spec.engine_id!r} "
                 f"describes {want_elem} ({ksp.heads_per_rank} heads x {ksp.block_size} tokens x "
-                f"{spec.head_dim} x {spec.dtype_size} bytes); fix the engine description"
+                f"{spec.head_dim}{kv} x {spec.dtype_size} bytes); fix the engine description"
             )
         offs = tuple(sorted(offsets)) if offsets else default_offsets
         kstride = base.stride // n

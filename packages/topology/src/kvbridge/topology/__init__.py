@@ -13,7 +13,7 @@ from .blocks import (
 )
 from .errors import TopologyError
 from .heads import check_tp_heads, head_range, heads_per_rank, is_replicated, ranks_holding
-from .layout import ElementLayout, element_layout
+from .layout import KIND_K, KIND_KV, KIND_V, ElementLayout, element_kinds, element_layout
 from .parallel import TransferKey, receive_sources, send_targets
 from .plan import (
     DimRead,
@@ -35,10 +35,11 @@ from .spec import ConvLayout, EngineSpec, HeadOrder, Layout, MambaSpec, dtype_si
 from .transfer import PostProcess, TransferPlan, plan_transfer
 
 __all__ = [
+    "KIND_K", "KIND_KV", "KIND_V",
     "ConvLayout", "DimRead", "ElementLayout", "EngineSpec", "HeadOrder", "Layout", "MambaFacts",
     "MambaPiece", "MambaSpec", "PostProcess", "ProducerRankPlan", "RankPlan", "ReadOp",
     "TopologyError", "TransferKey", "TransferPlan", "UnitMatch", "block_size_ratio",
-    "blocks_for_tokens", "check_compatible", "check_tp_heads", "dtype_size", "element_layout",
+    "blocks_for_tokens", "check_compatible", "check_tp_heads", "dtype_size", "element_kinds", "element_layout",
     "head_range", "heads_per_rank", "is_replicated", "kernel_block_ids", "logical_block_ids",
     "mamba_state_bytes", "match_units", "notifications_expected", "plan_dim", "plan_rank",
     "plan_transfer", "producer_plans", "ranks_holding", "receive_sources", "seed_handshake_ranks",

@@ -4,7 +4,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .errors import TopologyError
 from .spec import EngineSpec
+
+#: element kinds of a role ``(layer, kind)``
+KIND_K = 0  # K, or the MLA latent
+KIND_V = 1
+KIND_KV = 2  # packed layout: K and V of each head together (pairs only with another KIND_KV)
+
+
+def element_kinds(spec: EngineSpec) -> tuple[int, ...]:
+    """The kinds of one layer's elements, in block order: ``(K, V)``, ``(latent,)`` for MLA,
+    ``(KV,)`` for the packed layout."""
+    if spec.is_packed:
+        return (KIND_KV,)
+    if spec.use_mla:
+        return (KIND_K,)
+    return (KIND_K, KIND_V)
 
 
 @dataclass(frozen=True)
@@ -15,7 +31,8 @@ class ElementLayout:
     with a cross-layer cache); one block of a region holds
     ``elements_per_block`` elements of ``element_bytes`` at ``element_offsets``.
     Element ``e`` of a block is (layer, kind) with kind 0 = K (or the MLA
-    latent), 1 = V, ordered layer-major for cross-layer caches.
+    latent), 1 = V, 2 = K and V of each head together (packed layout), ordered
+    layer-major for cross-layer caches.
     """
 
     separate_kv_regions: bool
@@ -30,14 +47,16 @@ class ElementLayout:
 
 def element_layout(spec: EngineSpec) -> ElementLayout:
     """Element geometry for ``spec`` (see :class:`ElementLayout`)."""
-    kinds = 1 if spec.use_mla else 2
+    kinds = element_kinds(spec)
     elem = spec.element_bytes
     if spec.cross_layer:
         # one tensor: each block holds every layer's slot (K then V, or the latent)
-        n = spec.num_layers * kinds
-        roles = tuple((layer, k) for layer in range(spec.num_layers) for k in range(kinds))
+        n = spec.num_layers * len(kinds)
+        roles = tuple((layer, k) for layer in range(spec.num_layers) for k in kinds)
         slot = spec.region_block_bytes
-        offsets = tuple(layer * slot + k * elem for layer in range(spec.num_layers) for k in range(kinds))
+        offsets = tuple(
+            layer * slot + i * elem for layer in range(spec.num_layers) for i in range(len(kinds))
+        )
         return ElementLayout(
             separate_kv_regions=False,
             regions=1,
@@ -48,12 +67,12 @@ def element_layout(spec: EngineSpec) -> ElementLayout:
             element_roles=roles,
         )
     if spec.separate_kv_regions:
-        roles = tuple((layer, k) for layer in range(spec.num_layers) for k in range(2))
+        roles = tuple((layer, k) for layer in range(spec.num_layers) for k in kinds)
         return ElementLayout(True, 2 * spec.num_layers, 1, elem, (0,), spec.region_block_bytes, roles)
     per_block = spec.elements_per_block_region
-    roles = tuple(
-        (layer, k) for layer in range(spec.num_layers) for k in range(per_block)
-    )
+    if per_block != len(kinds):  # pragma: no cover - EngineSpec keeps these in step
+        raise TopologyError(f"internal error: {per_block} elements per block but kinds {kinds}")
+    roles = tuple((layer, k) for layer in range(spec.num_layers) for k in kinds)
     return ElementLayout(
         False,
         spec.num_layers,

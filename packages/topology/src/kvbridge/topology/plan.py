@@ -2,8 +2,8 @@
 
 "local" is the side that plans (the decode engine in pull mode); "remote" is
 the other side (the prefill engine). Every read is expressed inside one
-*transfer unit*: one K or V element (or MLA latent) of a block of
-``min(local block size, remote block size)`` tokens. A larger block is a run
+*transfer unit*: one K or V element (or MLA latent, or packed K+V element) of a
+block of ``min(local block size, remote block size)`` tokens. A larger block is a run
 of ``block ratio`` consecutive units (see :mod:`kvbridge.topology.blocks`).
 """
 
@@ -178,6 +178,7 @@ def check_compatible(local: EngineSpec, remote: EngineSpec) -> None:
             f"{where}: KV cache dtype differs ({local.dtype} vs {remote.dtype}); "
             "run both engines with the same kv-cache dtype"
         )
+    _check_packed(local, remote, where)
     if _mamba_shape(local) != _mamba_shape(remote):
         raise TopologyError(
             f"{where}: Mamba state differs ({local.mamba} vs {remote.mamba}); "
@@ -216,6 +217,37 @@ def check_compatible(local: EngineSpec, remote: EngineSpec) -> None:
         )
 
 
+def _check_packed(local: EngineSpec, remote: EngineSpec, where: str) -> None:
+    """Packed caches pair only with packed caches of the same head order and kernel block size.
+
+    Inside a packed head slice the order of K and V over the tokens is backend-specific
+    (K rows then V rows, or K|V per token), so kvbridge never cuts a slice along tokens and
+    never rearranges one: reads take whole head slices of whole physical blocks.
+    """
+    if not (local.is_packed or remote.is_packed):
+        return
+    if local.layout is not remote.layout:
+        raise TopologyError(
+            f"{where}: cache layouts {local.layout.value} and {remote.layout.value} cannot be "
+            "paired: a packed cache keeps K and V of each head together in a backend-specific "
+            "order, so it cannot be split into K and V elements; both engines must use the same "
+            "vLLM-style packed cache (layout packed)"
+        )
+    if local.head_order is not remote.head_order:
+        raise TopologyError(
+            f"{where}: packed caches with different head orders ({local.head_order.value} vs "
+            f"{remote.head_order.value}) would need the tokens inside each head slice rearranged, "
+            "whose order is backend-specific; use the same head order (HND) on both engines"
+        )
+    if local.kernel_block_size != remote.kernel_block_size:
+        raise TopologyError(
+            f"{where}: packed caches need equal kernel (physical) block sizes, got "
+            f"{local.kernel_block_size} and {remote.kernel_block_size} tokens; kvbridge cannot "
+            "regroup tokens inside a packed head slice (their order is backend-specific), so use "
+            "the same (kernel) block size on both engines"
+        )
+
+
 def _canon_dtype(name: str) -> str:
     aliases = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "fp8": "fp8_e4m3"}
     return aliases.get(name.lower(), name.lower())
@@ -240,7 +272,8 @@ def unit_tokens(local: EngineSpec, remote: EngineSpec) -> int:
 
 
 def _unit_head_bytes(local: EngineSpec, remote: EngineSpec) -> int:
-    return unit_tokens(local, remote) * local.head_dim * local.dtype_size
+    """Bytes of one head in one transfer unit (K and V together for the packed layout)."""
+    return unit_tokens(local, remote) * local.head_token_bytes
 
 
 def plan_rank(local: EngineSpec, remote: EngineSpec, local_rank: int) -> RankPlan:
@@ -300,10 +333,13 @@ def _check_head_order(local: EngineSpec, remote: EngineSpec, plan: RankPlan) -> 
         return
     split = plan.splits_local or plan.splits_remote()
     if split and remote.head_order is not HeadOrder.HND:
+        fix = (
+            "set both engines' KV cache layout to HND (packed caches need the same head order)"
+            if remote.is_packed else "set its KV cache layout to HND"
+        )
         raise TopologyError(
             f"local TP {local.tp_size} and remote TP {remote.tp_size} split KV heads across ranks, "
-            f"which needs the remote engine {remote.engine_id!r} to store heads contiguously: "
-            "set its KV cache layout to HND"
+            f"which needs the remote engine {remote.engine_id!r} to store heads contiguously: {fix}"
         )
     if (
         split

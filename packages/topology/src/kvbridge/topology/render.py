@@ -152,7 +152,8 @@ def plan_to_text(plan: TransferPlan) -> str:
         f"{_human(D.bytes_per_token * D.block_size)} per decode block per rank"
     )
     lines.append("")
-    lines.append(f"decode ranks (offsets in bytes within one K/V element of a {unit}-token unit):")
+    element = "packed K+V element" if D.is_packed else "K/V element"
+    lines.append(f"decode ranks (offsets in bytes within one {element} of a {unit}-token unit):")
     for p in plan.decode_ranks:
         reads = ", ".join(
             f"P{r.remote_rank}[{r.remote_offset}:{r.remote_offset + r.length}]->@{r.local_offset}"

@@ -42,10 +42,19 @@ class Layout(str, enum.Enum):
 
     KV_FIRST = "kv-first"  # [2, blocks, ...]: K and V are separate regions
     BLOCKS_FIRST = "blocks-first"  # [blocks, 2, ...]: one region, each block K then V
+    #: [blocks, heads, tokens, 2*head_dim] (HND) or [blocks, tokens, heads, 2*head_dim] (NHD):
+    #: one region, each block one element holding K and V of every head together (vLLM >= 0.32).
+    #: The order of K and V inside one head's slice is backend-specific, so kvbridge only ever
+    #: moves whole head slices of a block.
+    PACKED = "packed"
 
 
 class HeadOrder(str, enum.Enum):
-    """Order of the dimensions inside one K or V element of a block."""
+    """Order of the dimensions inside one K or V element of a block.
+
+    For the packed layout ``D`` stands for one head's K and V of a token
+    together: HND keeps each head's slice of a block contiguous.
+    """
 
     HND = "HND"  # heads, tokens, head_dim: heads are contiguous byte ranges
     NHD = "NHD"  # tokens, heads, head_dim: heads interleave per token
@@ -95,7 +104,7 @@ class EngineSpec:
     may use ``kernel_blocks_per_block`` smaller physical blocks per logical
     one. ``block_bytes``, when given, is the measured size of one block of one
     layer region on one rank: the K region for kv-first, the whole K+V page for
-    blocks-first, the padded page for Mamba hybrids.
+    blocks-first and packed, the padded page for Mamba hybrids.
     """
 
     engine_id: str
@@ -132,6 +141,22 @@ class EngineSpec:
             )
         if self.use_mla and self.mamba is not None:
             raise TopologyError("an engine cannot be both MLA and a Mamba hybrid")
+        if self.layout is Layout.PACKED:
+            if self.use_mla:
+                raise TopologyError(
+                    f"engine {self.engine_id!r}: MLA caches hold one latent per block, not K and V, "
+                    "so they cannot use the packed layout; use layout kv-first"
+                )
+            if self.mamba is not None:
+                raise TopologyError(
+                    f"engine {self.engine_id!r}: hybrid Mamba models are not supported with the "
+                    "packed layout; use layout blocks-first"
+                )
+            if self.cross_layer:
+                raise TopologyError(
+                    f"engine {self.engine_id!r}: a cross-layer cache with the packed layout is not "
+                    "supported yet; use per-layer packed caches (cross_layer=False) or another layout"
+                )
         if self.use_mla and self.layout is Layout.BLOCKS_FIRST:
             raise TopologyError("MLA caches hold one latent per block; use layout kv-first")
         if self.mamba is not None and self.layout is not Layout.BLOCKS_FIRST:
@@ -195,18 +220,35 @@ class EngineSpec:
         return self.layout is Layout.KV_FIRST and not self.use_mla and not self.cross_layer
 
     @property
+    def is_packed(self) -> bool:
+        """True for the packed layout (K and V of each head together in one element)."""
+        return self.layout is Layout.PACKED
+
+    @property
     def elements_per_block_region(self) -> int:
-        """Elements in one block of one layer's region: 2 (K, V) when K and V share it, else 1.
+        """Elements in one block of one layer's region: 2 (K, V) when K and V are separate
+        elements of it, else 1 (a kv-first K or V region, the MLA latent, a packed K+V block).
 
         For a cross-layer cache this is one layer's slot of the single block.
         """
+        if self.is_packed:
+            return 1
         shared = self.layout is Layout.BLOCKS_FIRST or self.cross_layer
         return 2 if (shared and not self.use_mla) else 1
 
     @property
+    def head_token_bytes(self) -> int:
+        """Bytes one head occupies per token in one element: ``head_dim x dtype``, twice that
+        for the packed layout (its element holds K and V)."""
+        return self.head_dim * self.dtype_size * (2 if self.is_packed else 1)
+
+    @property
     def head_bytes(self) -> int:
-        """Bytes of one head over one block's tokens (one element holds heads_per_rank of these)."""
-        return self.block_size * self.head_dim * self.dtype_size
+        """Bytes of one head over one block's tokens (one element holds heads_per_rank of these).
+
+        For the packed layout this covers the head's K and V.
+        """
+        return self.block_size * self.head_token_bytes
 
     @property
     def computed_element_bytes(self) -> int:
@@ -229,7 +271,8 @@ class EngineSpec:
 
     @property
     def element_bytes(self) -> int:
-        """Bytes of one K or V element (or the MLA latent) of one block on one rank."""
+        """Bytes of one element of one block on one rank: K or V, the MLA latent, or (packed)
+        K and V of all the rank's heads."""
         if self.mamba is not None:
             return self.computed_element_bytes
         return self.region_block_bytes // self.elements_per_block_region
@@ -240,7 +283,7 @@ class EngineSpec:
 
     @property
     def bytes_per_token(self) -> int:
-        """KV bytes one token occupies on one rank, all layers."""
+        """KV bytes one token occupies on one rank, all layers (K and V counted once each)."""
         per_layer = self.heads_per_rank * self.head_dim * self.dtype_size
         return per_layer * (1 if self.use_mla else 2) * self.num_layers
 
