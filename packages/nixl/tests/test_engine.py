@@ -380,3 +380,31 @@ def test_compatibility_check_can_be_turned_off():
                 assert failed[0].kind is FailureKind.HANDSHAKE and "compatib" in failed[0].message
         finally:
             pair.close()
+
+
+@pytest.mark.parametrize("order", ["HND", "NHD"])
+def test_packed_caches_move_head_slices(order):
+    """vLLM >= 0.32 packs each head's K and V together; P TP 2 -> D TP 1 splits by heads (HND)
+    and whole elements move when the TP sizes match (NHD)."""
+    from kvbridge.topology import HeadOrder, Layout
+
+    ho = HeadOrder(order)
+    p_tp = 2 if ho is HeadOrder.HND else 1
+    p_spec = replace(P, tp_size=p_tp, layout=Layout.PACKED, head_order=ho)
+    d_spec = replace(D, layout=Layout.PACKED, head_order=ho)
+    pair = Pair(p_spec=p_spec, d_spec=d_spec)
+    try:
+        kv = logical_kv(p_spec, 11, 40)  # 40 tokens: the last block is partial
+        for c in pair.pc:
+            c.fill(kv, [2, 5, 6])
+        params = pair.pre[0].hold("a", [2, 5, 6])
+        for e in pair.pre[1:]:
+            e.hold("a", [2, 5, 6], params.token)
+        pair.dec.load("a", params, [8, 1, 3])
+        done, failed, released = pair.run(lambda d, f, r: d and len(r) == p_tp)
+        assert done == ["a"] and not failed
+        assert pair.dc.verify(kv, [8, 1, 3], 0, 40) == 0
+        pair.dc.clear([1])
+        assert pair.dc.verify(kv, [8, 1, 3], 0, 40) > 0  # the check sees a missing block
+    finally:
+        pair.close()

@@ -5,7 +5,9 @@ request's KV content is a deterministic function of a seed: random bytes
 ``G[layer, kind, head, token, byte]`` (``byte`` spans one head's ``head_dim``
 values). A rank's block holds its heads' slice of ``G`` in the engine's layout
 and head order, so every received byte can be checked against the expected
-shard.
+shard. Packed caches (K and V of a head together, as vLLM >= 0.32 stores them)
+are laid out like vLLM's CPU backend: per head, the block's K rows then its V
+rows (HND), or per token each head's K then V (NHD).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import numpy as np
 import torch
 
 from kvbridge.memory import CacheRegions, regions_from_kv_caches
-from kvbridge.topology import EngineSpec, HeadOrder, element_layout, head_range
+from kvbridge.topology import KIND_KV, EngineSpec, HeadOrder, element_layout, head_range
 
 
 def logical_kv(spec: EngineSpec, seed: int, num_tokens: int) -> np.ndarray:
@@ -68,17 +70,42 @@ class SyntheticCache:
     def nbytes(self) -> int:
         return sum(t.numel() for t in self.regions)
 
+    def _arrange(self, parts: list[np.ndarray]) -> np.ndarray:
+        """One element from per-kind ``[heads, tokens, x]`` arrays, in this engine's order."""
+        if len(parts) == 1:  # a K, V or MLA element
+            out = parts[0]
+            if self.spec.head_order is HeadOrder.NHD:
+                out = out.transpose(1, 0, 2)
+        elif self.spec.head_order is HeadOrder.HND:  # packed: per head, K rows then V rows
+            out = np.concatenate(parts, axis=1)
+        else:  # packed NHD: per token and head, K then V
+            out = np.concatenate(parts, axis=2).transpose(1, 0, 2)
+        return np.ascontiguousarray(out).reshape(-1)
+
+    @staticmethod
+    def _kinds(kind: int) -> tuple[int, ...]:
+        return (0, 1) if kind == KIND_KV else (kind,)
+
     def _element(self, kv: np.ndarray, layer: int, kind: int, tok0: int, ntok: int) -> np.ndarray:
         """Bytes of one element (block of ``block_size`` tokens from ``tok0``) for this rank."""
         spec = self.spec
         heads = head_range(spec.tp_size, spec.kv_heads_for_placement, self.rank)
         hb = spec.head_dim * spec.dtype_size
-        out = np.zeros((len(heads), spec.block_size, hb), dtype=np.uint8)
         avail = max(0, min(ntok, kv.shape[3] - tok0))
-        out[:, :avail] = kv[layer, kind, heads.start:heads.stop, tok0:tok0 + avail]
-        if spec.head_order is HeadOrder.NHD:
-            out = out.transpose(1, 0, 2)
-        return np.ascontiguousarray(out).reshape(-1)
+        parts = []
+        for k in self._kinds(kind):
+            part = np.zeros((len(heads), spec.block_size, hb), dtype=np.uint8)
+            part[:, :avail] = kv[layer, k, heads.start:heads.stop, tok0:tok0 + avail]
+            parts.append(part)
+        return self._arrange(parts)
+
+    def _token_of_byte(self, kind: int) -> np.ndarray:
+        """For each byte of an element of ``kind``: the token (within the block) it belongs to."""
+        spec = self.spec
+        hpr = len(head_range(spec.tp_size, spec.kv_heads_for_placement, self.rank))
+        tok = np.broadcast_to(np.arange(spec.block_size)[None, :, None],
+                              (hpr, spec.block_size, spec.head_dim * spec.dtype_size))
+        return self._arrange([tok] * len(self._kinds(kind)))
 
     def _blocks_view(self) -> list[tuple[torch.Tensor, int, int]]:
         """(region tensor, element offset, role) for every role."""
@@ -118,25 +145,21 @@ class SyntheticCache:
         Only tokens below ``num_tokens`` are compared (a partial last block's
         tail is undefined).
         """
-        spec = self.spec
-        bs = spec.block_size
-        hb = spec.head_dim * spec.dtype_size
-        hpr = len(head_range(spec.tp_size, spec.kv_heads_for_placement, self.rank))
+        bs = self.spec.block_size
+        lay = element_layout(self.spec)
         bad = 0
         exp = self.expected(kv, block_ids, first_token, num_tokens)
         for t, off, role in self._blocks_view():
+            tok = None
             for j, b in enumerate(block_ids):
                 e = exp[(role, b)]
                 got = t[b, off:off + e.size].numpy()
                 valid = min(bs, num_tokens - (first_token + j * bs))
                 if valid < bs:
-                    shape = (hpr, bs, hb) if spec.head_order is HeadOrder.HND else (bs, hpr, hb)
-                    g3, e3 = got.reshape(shape), e.reshape(shape)
-                    if spec.head_order is HeadOrder.HND:
-                        g3, e3 = g3[:, :valid], e3[:, :valid]
-                    else:
-                        g3, e3 = g3[:valid], e3[:valid]
-                    bad += int(np.count_nonzero(g3 != e3))
+                    if tok is None:
+                        tok = self._token_of_byte(lay.element_roles[role][1])
+                    keep = tok < valid
+                    bad += int(np.count_nonzero(got[keep] != e[keep]))
                 else:
                     bad += int(np.count_nonzero(got != e))
         return bad
