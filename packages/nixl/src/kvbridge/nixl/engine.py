@@ -878,14 +878,15 @@ class PrefillEngine(_RankEngine):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.ledger = PrefillLedger(self._expected_for, self.config.lease_s, self.stats)
+        self.ledger = PrefillLedger(self._consumers_for, self.config.lease_s, self.stats)
         self._pushes: dict[str, _Push] = {}
         self._push_queue: list[_Push] = []
         self._push_released: list[Released] = []
 
-    def _expected_for(self, decode_tp: int) -> int:
+    def _consumers_for(self, decode_tp: int) -> tuple[int, ...]:
+        """The decode ranks (of a decode engine with TP ``decode_tp``) that notify this rank."""
         plan = plan_transfer(self.spec, _provisional(self.spec, self.spec.engine_id + "#decode", decode_tp))
-        return plan.prefill_ranks[self.rank].notifications_per_request
+        return plan.prefill_ranks[self.rank].consumer_ranks
 
     # push-mode planning hooks: the peer is a decode engine
     def _plan_for(self, peer_spec: EngineSpec) -> TransferPlan:
@@ -937,7 +938,7 @@ class PrefillEngine(_RankEngine):
         for sender, msgs in self.agent.notifications().items():
             for raw in msgs:
                 outcome = self.ledger.on_notification(parse_notification(raw), now)
-                if outcome in ("unknown", "bad-token", "malformed", "bad-decode-tp"):
+                if outcome in ("unknown", "bad-token", "malformed", "bad-decode-tp", "unassigned"):
                     log.debug("ignored notification from %s: %s", sender, outcome)
         for rid in self.ledger.expire(now):
             log.warning("request %s: lease of %.1f s lapsed before every decode rank read it; "

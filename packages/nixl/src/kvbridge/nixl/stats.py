@@ -26,6 +26,7 @@ class Stats:
     notifications_bad_token: int = 0
     notifications_malformed: int = 0
     notifications_duplicate: int = 0
+    notifications_unassigned: int = 0  # DONE from a decode rank the plan does not assign to this rank
     leases_renewed: int = 0
     leases_expired: int = 0
     requests_released: int = 0
