@@ -173,6 +173,64 @@ def test_prefill_restart_triggers_a_new_handshake(pair):
     assert not (old_agents & set(pair.dec.agent.remote_agents))
 
 
+def test_prefill_restart_on_the_same_port_is_found_by_incarnation(pair):
+    """Same engine id, host and port, new incarnation: only TransferParams.incarnation tells."""
+    pair.dec.load("a", pair.hold("a", [1]), [1])
+    pair.run(lambda d, f, r: d == ["a"])
+    address, old_inc = pair.pre[0].address, pair.pre[0].incarnation
+    old_agents = set(pair.dec.agent.remote_agents)
+    pair.stop_prefill()
+    pair.start_prefill(port=address[1])
+    params = pair.hold("b", [2], seed=2)
+    assert (params.host, params.port) == address and params.incarnation != old_inc
+    pair.dec.load("b", params, [5])
+    done, failed, _ = pair.run(lambda d, f, r: d or f)
+    assert done == ["b"] and not failed
+    assert pair.dc.verify(logical_kv(P, 2, 16), [5], 0, 16) == 0
+    assert pair.dec.stats.handshakes == 2 and pair.dec.stats.stale_agents_dropped == 1
+    assert not (old_agents & set(pair.dec.agent.remote_agents))
+    assert pair.dec.resource_counts()["remote_agents"] == 2
+
+
+@pytest.mark.parametrize("nixl_refuses_release", [False, True], ids=["released", "refused-then-released"])
+def test_a_read_that_never_completes_times_out(monkeypatch, nixl_refuses_release):
+    """The READ stays "PROC" forever: the request fails with kind timeout and its blocks, and
+    its transfer handle is released (at once, or on a later poll when NIXL refused at first)."""
+    pair = Pair(replace(CFG, transfer_timeout_s=0.5))
+    try:
+        pair.dec.load("warm", pair.hold("warm", [2]), [3])
+        pair.run(lambda d, f, r: "warm" in d and len(r) == 2)
+        base = pair.dec.resource_counts()
+        agent = pair.dec.agent
+        real_release = agent.release_transfer
+        refusing = [nixl_refuses_release]
+        monkeypatch.setattr(agent, "state", lambda x: "PROC")
+        monkeypatch.setattr(agent, "release_transfer",
+                            lambda x: False if refusing[0] and not x.released else real_release(x))
+        pair.dec.load("a", pair.hold("a", [1, 4], seed=3), [6, 7])
+        t0 = time.monotonic()
+        done, failed, _ = pair.run(lambda d, f, r: d or f, timeout=5)
+        elapsed = time.monotonic() - t0
+        assert done == []
+        assert [(f.request_id, f.kind, f.invalid_block_ids) for f in failed] == [
+            ("a", FailureKind.TIMEOUT, (6, 7))]
+        assert 0.4 <= elapsed < 3, elapsed
+        assert pair.dec.stats.failures == {"timeout": 1} and pair.dec.pending == 0
+        if nixl_refuses_release:
+            # one READ per prefill rank, both still held
+            assert pair.dec.resource_counts()["transfers"] == base["transfers"] + P.tp_size
+            refusing[0] = False
+            pair.dec.poll()
+        assert pair.dec.resource_counts() == base
+        monkeypatch.undo()
+        pair.dec.load("b", pair.hold("b", [5], seed=4), [8])  # the peer was not dropped
+        done, failed, _ = pair.run(lambda d, f, r: d or f)
+        assert done == ["b"] and not failed and pair.dec.stats.handshakes == 1
+        assert pair.dec.resource_counts() == base
+    finally:
+        pair.close()
+
+
 def test_full_prefix_hit_notifies_without_reading(pair):
     params = pair.hold("a", [1, 2])
     pair.dec.load("a", params, [], computed_tokens=32)
@@ -295,6 +353,16 @@ def test_a_failed_rearrangement_fails_the_request(monkeypatch):
         done, failed, _ = pair.run(lambda d, f, r: d or f)
         assert done == [] and [(f.kind, f.invalid_block_ids) for f in failed] == [(FailureKind.POST, (5, 6))]
         assert "simulated" in failed[0].message and pair.dec.pending == 0 and not pair.dec._loads
+    finally:
+        pair.close()
+
+
+def test_push_expect_with_no_blocks_completes_and_keeps_nothing():
+    pair = Pair(replace(CFG, mode="push"))
+    try:
+        pair.dec.expect("a", "prefill", 2, "tok", [])
+        assert pair.dec.poll().done == ["a"]
+        assert pair.dec.pending == 0 and not pair.dec._loads
     finally:
         pair.close()
 

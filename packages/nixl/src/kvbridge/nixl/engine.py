@@ -808,7 +808,9 @@ class DecodeEngine(_RankEngine):
     def _release_load(self, ld: _Load) -> None:
         for x in ld.transfers.values():
             if not self.agent.release_transfer(x):
-                log.warning("NIXL refused to release an active transfer of %s", ld.request_id)
+                # still active in NIXL (e.g. a timed-out READ): retried on every poll until released
+                log.warning("NIXL refused to release an active transfer of %s; retrying later", ld.request_id)
+                self._orphans.append(x)
         ld.transfers.clear()
 
     def _fail(self, rid: str, kind: FailureKind, message: str) -> None:
