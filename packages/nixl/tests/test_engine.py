@@ -506,6 +506,22 @@ def test_transfer_records_are_kept_on_request():
         pair.close()
 
 
+def test_stats_count_descriptors_posted_and_merged_by_nixl():
+    """Contiguous blocks on both sides: NIXL merges each region's run into one descriptor."""
+    pair = Pair(p_spec=replace(P, tp_size=1))
+    try:
+        regions = 2 * 2  # 2 layers x K, V (kv-first)
+        pair.dec.load("run", pair.hold("run", [1, 2, 3]), [4, 5, 6])
+        pair.run(lambda d, f, r: d and r)
+        s = pair.dec.stats
+        assert (s.descriptors_posted, s.descriptors) == (3 * regions, regions)
+        pair.dec.load("gaps", pair.hold("gaps", [7, 9, 11]), [8, 10, 12])
+        pair.run(lambda d, f, r: "gaps" in d and r)
+        assert (s.descriptors_posted, s.descriptors) == (6 * regions, 4 * regions)  # no merging
+    finally:
+        pair.close()
+
+
 def test_compatibility_check_can_be_turned_off():
     """Engines with different model identities refuse each other unless enforce_compat is off."""
     for enforce, want_done in ((True, False), (False, True)):

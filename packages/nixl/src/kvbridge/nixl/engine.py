@@ -91,6 +91,7 @@ def _record_done(agent: NixlAgent, stats: Stats, transfer: Transfer,
             records.append(TransferRecord(transfer.op, peer_engine, tel.bytes, tel.descriptors,
                                           tel.post_us, tel.xfer_us))
     stats.transfers += 1
+    stats.descriptors_posted += transfer.num_descs
     agent.release_transfer(transfer)
 
 
