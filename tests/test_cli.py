@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -20,6 +21,8 @@ def test_demo_small_verifies_every_byte(capsys):
     assert "demo: OK, every byte verified" in out
     assert "decode verified 8 rank shards" in out  # 2 requests x 4 decode ranks
     assert "memcpy on this machine" in out and "handshake (slowest rank)" in out
+    # the descriptor count handed to NIXL, and NIXL's merged count from its telemetry
+    assert re.search(r"\(\d+ descriptors posted; NIXL merged them into \d+\)", out), out
 
 
 def test_demo_refuses_impossible_shapes(capsys):

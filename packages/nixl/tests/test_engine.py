@@ -17,7 +17,7 @@ from kvbridge.nixl.agent import AgentConfig
 from kvbridge.nixl.engine import DecodeEngine, EngineConfig, PrefillEngine, TransferParams
 from kvbridge.nixl.ledger import FailureKind
 from kvbridge.nixl.synthetic import SyntheticCache, logical_kv
-from kvbridge.topology import EngineSpec, kernel_block_ids
+from kvbridge.topology import EngineSpec, kernel_block_ids, plan_transfer
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -38,23 +38,31 @@ class Pair:
         self.dec = DecodeEngine(d_spec, 0, self.dc.cache_regions(d_spec), cfg)
         self.start_prefill()
 
-    def start_prefill(self):
+    def start_prefill(self, port=0):
         inc = new_incarnation()
-        self.pc = [SyntheticCache.allocate(self.p_spec, r, NB) for r in range(self.p_spec.tp_size)]
-        self.pre = [PrefillEngine(self.p_spec, r, self.pc[r].cache_regions(), self.cfg, incarnation=inc)
+        n = self.p_spec.kernel_blocks_per_block  # allocated per kernel block, as for the decode side
+        self.pc = [SyntheticCache.allocate(kernel_spec(self.p_spec), r, NB * n)
+                   for r in range(self.p_spec.tp_size)]
+        self.pre = [PrefillEngine(self.p_spec, r, self.pc[r].cache_regions(self.p_spec), self.cfg,
+                                  incarnation=inc)
                     for r in range(self.p_spec.tp_size)]
-        srv = self.pre[0].serve()
+        srv = self.pre[0].serve(port=port)
         for e in self.pre[1:]:
             e.serve(srv)
+
+    def fill(self, kv, blocks):
+        """Write ``kv`` into the prefill caches' logical ``blocks`` (their kernel blocks)."""
+        ids = list(kernel_block_ids(blocks, self.p_spec.kernel_blocks_per_block))
+        for c in self.pc:
+            c.fill(kv, ids)
 
     def stop_prefill(self):
         for e in self.pre:
             e.close()
 
     def hold(self, rid, blocks, seed=1, token=None):
-        kv = logical_kv(self.p_spec, seed, len(blocks) * 16)
-        for c in self.pc:
-            c.fill(kv, blocks)
+        kv = logical_kv(self.p_spec, seed, len(blocks) * self.p_spec.block_size)
+        self.fill(kv, blocks)
         params = self.pre[0].hold(rid, blocks, token)
         for e in self.pre[1:]:
             e.hold(rid, blocks, params.token)
@@ -165,6 +173,64 @@ def test_prefill_restart_triggers_a_new_handshake(pair):
     assert not (old_agents & set(pair.dec.agent.remote_agents))
 
 
+def test_prefill_restart_on_the_same_port_is_found_by_incarnation(pair):
+    """Same engine id, host and port, new incarnation: only TransferParams.incarnation tells."""
+    pair.dec.load("a", pair.hold("a", [1]), [1])
+    pair.run(lambda d, f, r: d == ["a"])
+    address, old_inc = pair.pre[0].address, pair.pre[0].incarnation
+    old_agents = set(pair.dec.agent.remote_agents)
+    pair.stop_prefill()
+    pair.start_prefill(port=address[1])
+    params = pair.hold("b", [2], seed=2)
+    assert (params.host, params.port) == address and params.incarnation != old_inc
+    pair.dec.load("b", params, [5])
+    done, failed, _ = pair.run(lambda d, f, r: d or f)
+    assert done == ["b"] and not failed
+    assert pair.dc.verify(logical_kv(P, 2, 16), [5], 0, 16) == 0
+    assert pair.dec.stats.handshakes == 2 and pair.dec.stats.stale_agents_dropped == 1
+    assert not (old_agents & set(pair.dec.agent.remote_agents))
+    assert pair.dec.resource_counts()["remote_agents"] == 2
+
+
+@pytest.mark.parametrize("nixl_refuses_release", [False, True], ids=["released", "refused-then-released"])
+def test_a_read_that_never_completes_times_out(monkeypatch, nixl_refuses_release):
+    """The READ stays "PROC" forever: the request fails with kind timeout and its blocks, and
+    its transfer handle is released (at once, or on a later poll when NIXL refused at first)."""
+    pair = Pair(replace(CFG, transfer_timeout_s=0.5))
+    try:
+        pair.dec.load("warm", pair.hold("warm", [2]), [3])
+        pair.run(lambda d, f, r: "warm" in d and len(r) == 2)
+        base = pair.dec.resource_counts()
+        agent = pair.dec.agent
+        real_release = agent.release_transfer
+        refusing = [nixl_refuses_release]
+        monkeypatch.setattr(agent, "state", lambda x: "PROC")
+        monkeypatch.setattr(agent, "release_transfer",
+                            lambda x: False if refusing[0] and not x.released else real_release(x))
+        pair.dec.load("a", pair.hold("a", [1, 4], seed=3), [6, 7])
+        t0 = time.monotonic()
+        done, failed, _ = pair.run(lambda d, f, r: d or f, timeout=5)
+        elapsed = time.monotonic() - t0
+        assert done == []
+        assert [(f.request_id, f.kind, f.invalid_block_ids) for f in failed] == [
+            ("a", FailureKind.TIMEOUT, (6, 7))]
+        assert 0.4 <= elapsed < 3, elapsed
+        assert pair.dec.stats.failures == {"timeout": 1} and pair.dec.pending == 0
+        if nixl_refuses_release:
+            # one READ per prefill rank, both still held
+            assert pair.dec.resource_counts()["transfers"] == base["transfers"] + P.tp_size
+            refusing[0] = False
+            pair.dec.poll()
+        assert pair.dec.resource_counts() == base
+        monkeypatch.undo()
+        pair.dec.load("b", pair.hold("b", [5], seed=4), [8])  # the peer was not dropped
+        done, failed, _ = pair.run(lambda d, f, r: d or f)
+        assert done == ["b"] and not failed and pair.dec.stats.handshakes == 1
+        assert pair.dec.resource_counts() == base
+    finally:
+        pair.close()
+
+
 def test_full_prefix_hit_notifies_without_reading(pair):
     params = pair.hold("a", [1, 2])
     pair.dec.load("a", params, [], computed_tokens=32)
@@ -215,25 +281,100 @@ def test_close_releases_everything():
     assert agent.counts() == {"registrations": 0, "lists": 0, "transfers": 0, "remote_agents": 0}
 
 
+def _push(pair, rid, p_blocks, d_blocks, seed, **expect_kw):
+    """Fill and push ``p_blocks`` into ``d_blocks``; returns the request's KV content."""
+    from kvbridge.nixl.engine import PushTarget
+
+    ntok = len(p_blocks) * pair.p_spec.block_size
+    kv = logical_kv(pair.p_spec, seed, ntok)
+    pair.fill(kv, p_blocks)
+    host, port = pair.dec.address
+    target = PushTarget("decode", host, port, 1, tuple(d_blocks), "tok-" + rid)
+    pair.dec.expect(rid, "prefill", pair.p_spec.tp_size, "tok-" + rid, d_blocks, **expect_kw)
+    for e in pair.pre:
+        e.push(rid, p_blocks, target)
+    return kv
+
+
 def test_push_mode_in_process():
     cfg = replace(CFG, mode="push")
     pair = Pair(cfg)
     try:
         pair.dec.serve()
-        kv = logical_kv(P, 3, 32)
-        for c in pair.pc:
-            c.fill(kv, [4, 5])
-        from kvbridge.nixl.engine import PushTarget
-
-        host, port = pair.dec.address
-        target = PushTarget("decode", host, port, 1, (8, 9), "tok")
-        pair.dec.expect("a", "prefill", 2, "tok", [8, 9])
-        for e in pair.pre:
-            e.push("a", [4, 5], target)
+        kv = _push(pair, "a", [4, 5], [8, 9], seed=3)
         done, failed, released = pair.run(lambda d, f, r: d and len(r) == 2)
         assert done == ["a"] and not failed
         assert {r.reason for r in released} == {"written"}
         assert pair.dc.verify(kv, [8, 9], 0, 32) == 0
+    finally:
+        pair.close()
+
+
+PUSH_REARRANGED = [
+    # id, prefill spec, expect() keywords: every case needs the decode engine to rearrange
+    ("P8tok-HND-into-D16tok-HND", replace(P, block_size=8), dict(prefill_block_size=8)),
+    ("P16tok-NHD-into-D16tok-HND", replace(P, tp_size=1, head_order="NHD"),
+     dict(prefill_head_order="NHD")),
+    ("P16tok-kernel-split-8-into-D16tok", replace(P, kernel_blocks_per_block=2),
+     dict(prefill_block_size=16, prefill_kernel_blocks_per_block=2)),
+]
+
+
+@pytest.mark.parametrize("p_spec,kw", [c[1:] for c in PUSH_REARRANGED], ids=[c[0] for c in PUSH_REARRANGED])
+def test_push_mode_post_processes_on_the_decode_side(p_spec, kw):
+    """Push into 16-token HND decode blocks holding 4 heads: the decode engine rearranges the
+    received units itself, before it reports the request done (nobody else post-processes)."""
+    assert plan_transfer(kernel_spec(p_spec), kernel_spec(D)).post_process.needed  # a case that needs it
+    pair = Pair(replace(CFG, mode="push"), p_spec=p_spec)
+    try:
+        pair.dec.serve()
+        n_p = 4 * 16 // p_spec.block_size
+        p_blocks = [5, 0, 9, 2, 12, 7, 3, 14][:n_p]
+        kv = _push(pair, "a", p_blocks, [4, 11, 1, 6], seed=8, **kw)
+        done, failed, released = pair.run(lambda d, f, r: d and len(r) == p_spec.tp_size)
+        assert done == ["a"] and not failed
+        assert pair.dc.verify(kv, [4, 11, 1, 6], 0, 64) == 0
+    finally:
+        pair.close()
+
+
+def test_a_failed_rearrangement_fails_the_request(monkeypatch):
+    """If post-processing raises, the request is reported failed with its blocks, not done."""
+    import kvbridge.nixl.engine as engine_mod
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("simulated rearrangement failure")
+
+    monkeypatch.setattr(engine_mod, "post_process", broken)
+    pair = Pair(replace(CFG, mode="push"), p_spec=replace(P, block_size=8))
+    try:
+        pair.dec.serve()
+        _push(pair, "a", [1, 2, 3, 4], [5, 6], seed=2, prefill_block_size=8)
+        done, failed, _ = pair.run(lambda d, f, r: d or f)
+        assert done == [] and [(f.kind, f.invalid_block_ids) for f in failed] == [(FailureKind.POST, (5, 6))]
+        assert "simulated" in failed[0].message and pair.dec.pending == 0 and not pair.dec._loads
+    finally:
+        pair.close()
+
+
+def test_push_expect_with_no_blocks_completes_and_keeps_nothing():
+    pair = Pair(replace(CFG, mode="push"))
+    try:
+        pair.dec.expect("a", "prefill", 2, "tok", [])
+        assert pair.dec.poll().done == ["a"]
+        assert pair.dec.pending == 0 and not pair.dec._loads
+    finally:
+        pair.close()
+
+
+def test_push_expect_refuses_prefill_geometry_it_cannot_plan():
+    pair = Pair(replace(CFG, mode="push"))
+    try:
+        with pytest.raises(ValueError, match="multiple|divid"):
+            pair.dec.expect("a", "prefill", 2, "tok", [1], prefill_block_size=12)
+        with pytest.raises(ValueError, match="HND"):  # heads split across ranks need HND
+            pair.dec.expect("b", "prefill", 2, "tok", [1], prefill_head_order="NHD")
+        assert pair.dec.pending == 0
     finally:
         pair.close()
 
@@ -361,6 +502,22 @@ def test_transfer_records_are_kept_on_request():
         assert {r.op for r in recs} == {"READ"} and {r.peer_engine for r in recs} == {"prefill"}
         assert sum(r.bytes for r in recs) == pair.dec.stats.bytes > 0
         assert pair.dec.take_records() == []
+    finally:
+        pair.close()
+
+
+def test_stats_count_descriptors_posted_and_merged_by_nixl():
+    """Contiguous blocks on both sides: NIXL merges each region's run into one descriptor."""
+    pair = Pair(p_spec=replace(P, tp_size=1))
+    try:
+        regions = 2 * 2  # 2 layers x K, V (kv-first)
+        pair.dec.load("run", pair.hold("run", [1, 2, 3]), [4, 5, 6])
+        pair.run(lambda d, f, r: d and r)
+        s = pair.dec.stats
+        assert (s.descriptors_posted, s.descriptors) == (3 * regions, regions)
+        pair.dec.load("gaps", pair.hold("gaps", [7, 9, 11]), [8, 10, 12])
+        pair.run(lambda d, f, r: "gaps" in d and r)
+        assert (s.descriptors_posted, s.descriptors) == (6 * regions, 4 * regions)  # no merging
     finally:
         pair.close()
 

@@ -1,16 +1,20 @@
+from dataclasses import replace
+
 import pytest
 
 from kvbridge.nixl.ledger import DecodeTracker, FailureKind, PrefillLedger, State
 from kvbridge.nixl.messages import Kind, Notification
 from kvbridge.nixl.stats import Stats
+from kvbridge.topology import EngineSpec, plan_transfer
 
 
 def n(rid, rank, tp=2, tok="t", kind=Kind.DONE):
     return Notification(kind, rid, tp, rank, tok)
 
 
-def ledger(expected=2, lease=10.0):
-    return PrefillLedger(lambda tp: {2: expected, 4: 4}.get(tp, 0), lease)
+def ledger(consumers=(0, 1), lease=10.0):
+    """A ledger whose rank is notified by ``consumers`` of a TP-2 decode engine (all of TP 4)."""
+    return PrefillLedger(lambda tp: {2: consumers, 4: (0, 1, 2, 3)}.get(tp, ()), lease)
 
 
 def test_releases_after_every_decode_rank_notified_once():
@@ -28,7 +32,7 @@ def test_releases_after_every_decode_rank_notified_once():
 
 
 def test_wrong_token_unknown_and_malformed_are_ignored_and_counted():
-    lg = ledger(expected=1)
+    lg = ledger(consumers=(0,))
     lg.hold("a", [1], "good", now=0)
     assert lg.on_notification(n("a", 0, tok="bad"), 1) == "bad-token"
     assert lg.on_notification(n("zzz", 0), 1) == "unknown"
@@ -75,7 +79,49 @@ def test_hold_twice_rejected_and_lease_validated():
     with pytest.raises(ValueError, match="already held"):
         lg.hold("a", [1], "t", now=0)
     with pytest.raises(ValueError):
-        PrefillLedger(lambda tp: 1, 0)
+        PrefillLedger(lambda tp: (0,), 0)
+
+
+def test_only_the_decode_ranks_the_plan_assigns_are_counted():
+    """Prefill TP 2 -> decode TP 4: prefill rank 1 is read by decode ranks 2 and 3 only.
+
+    DONE from decode ranks 0 and 1 (right token, right TP) must not release it.
+    """
+    p = EngineSpec("prefill", 2, 4, 16, 2, 16)
+    d = replace(p, engine_id="decode", tp_size=4)
+
+    def consumers_for(decode_tp):
+        return plan_transfer(p, replace(d, tp_size=decode_tp)).prefill_ranks[1].consumer_ranks
+
+    assert consumers_for(4) == (2, 3)
+    lg = PrefillLedger(consumers_for, 10.0)
+    lg.hold("a", [1, 2], "t", now=0)
+    assert lg.on_notification(n("a", 0, tp=4), 1) == "unassigned"
+    assert lg.on_notification(n("a", 1, tp=4), 1) == "unassigned"
+    assert "a" in lg and lg.take_released() == []
+    assert lg.stats.notifications_unassigned == 2
+    assert lg.on_notification(n("a", 2, tp=4), 1) == "counted"
+    assert lg.on_notification(n("a", 3, tp=4), 1) == "released"
+    assert [r.reason for r in lg.take_released()] == ["notified"]
+    assert lg.stats.notifications_malformed == 0 and lg.stats.notifications_duplicate == 0
+
+
+def test_an_unassigned_rank_does_not_fix_the_decode_tp():
+    """The first *accepted* DONE fixes the request's decode TP; an ignored one does not."""
+    lg = ledger(consumers=(1,))
+    lg.hold("a", [1], "t", now=0)
+    assert lg.on_notification(n("a", 0, tp=2), 0) == "unassigned"  # TP 2 assigns rank 1 only
+    for r in range(3):
+        assert lg.on_notification(n("a", r, tp=4), 0) == "counted"  # TP 4 is still open
+    assert lg.on_notification(n("a", 1, tp=2), 0) == "bad-decode-tp"  # now TP 4 is fixed
+    assert lg.on_notification(n("a", 3, tp=4), 0) == "released"
+
+
+def test_consumers_for_must_name_ranks():
+    lg = PrefillLedger(lambda tp: 2, 10.0)  # a count is not the ranks
+    lg.hold("a", [1], "t", now=0)
+    with pytest.raises(TypeError, match="decode ranks"):
+        lg.on_notification(n("a", 0), 0)
 
 
 def test_decode_tracker_state_machine():

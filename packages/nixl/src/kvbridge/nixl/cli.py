@@ -174,8 +174,10 @@ def demo_command(argv: list[str]) -> int:
     ranks = decode.tp_size if args.mode == "pull" else prefill.tp_size
     print(f"processes started in {t_ready - t_start:.1f} s; caches filled in {t_filled - t_ready:.1f} s")
     print(f"handshake (slowest rank): {hs_ms:.1f} ms")
-    print(f"moved {moved / 2**20:.1f} MiB in {xs.transfers} NIXL transfers ({xs.descriptors} descriptors "
-          f"after merging)")
+    # NIXL telemetry counts the descriptors left after merging adjacent ones (0: telemetry off)
+    merged = f"; NIXL merged them into {xs.descriptors}" if xs.descriptors else ""
+    print(f"moved {moved / 2**20:.1f} MiB in {xs.transfers} NIXL transfers "
+          f"({xs.descriptors_posted} descriptors posted{merged})")
     print(f"first request (handshake + lists + transfer): {first_ms:.1f} ms")
     if len(rids) > 1:
         print(f"other {len(rids) - 1} requests: {wall * 1e3:.1f} ms, {moved_rest / wall / 1e9:.2f} GB/s "

@@ -49,7 +49,14 @@ from kvbridge.memory import (
     rank_descriptors,
     regions_from_kv_caches,
 )
-from kvbridge.topology import EngineSpec, RankPlan, TopologyError, TransferPlan, plan_transfer
+from kvbridge.topology import (
+    EngineSpec,
+    HeadOrder,
+    RankPlan,
+    TopologyError,
+    TransferPlan,
+    plan_transfer,
+)
 
 from .agent import AgentConfig, NixlAgent, NixlError, PreparedList, Transfer
 from .ledger import DecodeTracker, Failed, FailureKind, PrefillLedger, Released, State
@@ -84,6 +91,7 @@ def _record_done(agent: NixlAgent, stats: Stats, transfer: Transfer,
             records.append(TransferRecord(transfer.op, peer_engine, tel.bytes, tel.descriptors,
                                           tel.post_us, tel.xfer_us))
     stats.transfers += 1
+    stats.descriptors_posted += transfer.num_descs
     agent.release_transfer(transfer)
 
 
@@ -611,21 +619,52 @@ class DecodeEngine(_RankEngine):
         self.load(rid, params, [], 0)
 
     def expect(self, request_id: str, prefill_engine_id: str, prefill_tp: int, token: str,
-               local_block_ids: Sequence[int]) -> None:
-        """Push mode: wait for the prefill ranks that write this rank's share of a request."""
+               local_block_ids: Sequence[int], *, prefill_block_size: int | None = None,
+               prefill_head_order: HeadOrder | str | None = None,
+               prefill_kernel_blocks_per_block: int | None = None) -> None:
+        """Push mode: wait for the prefill ranks that write this rank's share of a request.
+
+        The decode rank never handshakes in push mode, so the caller names the
+        prefill engine's cache facts that decide how received blocks must be
+        rearranged: ``prefill_block_size`` (tokens per logical block),
+        ``prefill_head_order`` (``HND`` or ``NHD``) and
+        ``prefill_kernel_blocks_per_block``. Left out, each is the decode
+        engine's own value, except that ``prefill_kernel_blocks_per_block``
+        defaults to 1 (not kernel-split) when ``prefill_block_size`` is given.
+        The request is planned with these values; when the plan needs
+        post-processing (HND <-> NHD, or several smaller prefill units per
+        decode block holding several heads) the engine applies
+        :func:`kvbridge.memory.post_process` to the request's blocks once every
+        source rank has written, before reporting it done. Wrong values are not
+        detected (push notifications do not carry the prefill geometry): the
+        received blocks would be rearranged wrongly. Raises ``ValueError``
+        (:class:`~kvbridge.topology.TopologyError`) when the pair cannot be planned.
+        """
         if self.config.mode != "push":
             raise ValueError("expect() is the push-mode entry point; this engine is in pull mode")
         lids = np.asarray(local_block_ids, dtype=np.int64).reshape(-1)
         _check_block_ids(lids, self.geometry.num_blocks, "local")
-        plan = self._plan_for(_provisional(self.spec, prefill_engine_id, prefill_tp))
+        pspec = _provisional(self.spec, prefill_engine_id, prefill_tp)
+        if prefill_block_size is not None or prefill_kernel_blocks_per_block is not None:
+            bs = self.spec.block_size if prefill_block_size is None else prefill_block_size
+            kb = prefill_kernel_blocks_per_block
+            if kb is None:
+                kb = self.spec.kernel_blocks_per_block if prefill_block_size is None else 1
+            pspec = replace(pspec, block_size=bs, kernel_blocks_per_block=kb)
+        if prefill_head_order is not None:
+            pspec = replace(pspec, head_order=HeadOrder(prefill_head_order))
+        plan = self._plan_for(pspec)
         sources = tuple(self._rank_plan(plan).source_ranks) if lids.size else ()
         now = time.monotonic()
         t = self.tracker.add(request_id, prefill_engine_id, lids.tolist(),
                              now + self.config.transfer_timeout_s, ready=True)
-        self.tracker.posted(t.request_id, sources)
+        self._loads[request_id] = _Load(request_id, _Peer(prefill_engine_id, "", 0, prefill_tp, plan=plan),
+                                        None, lids, 0, token, expect_from=sources)
         self._push_waiting[request_id] = set(sources)
-        self._loads[request_id] = _Load(request_id, _Peer(prefill_engine_id, "", 0, prefill_tp), None,
-                                        lids, 0, token, expect_from=sources)
+        self.tracker.posted(t.request_id, sources)
+        if not sources:
+            self._loads.pop(request_id, None)
+            self._push_waiting.pop(request_id, None)
 
     def poll(self) -> DecodeEvents:
         """Advance handshakes, transfers, timeouts and lease renewals; return finished requests.
@@ -780,7 +819,9 @@ class DecodeEngine(_RankEngine):
     def _release_load(self, ld: _Load) -> None:
         for x in ld.transfers.values():
             if not self.agent.release_transfer(x):
-                log.warning("NIXL refused to release an active transfer of %s", ld.request_id)
+                # still active in NIXL (e.g. a timed-out READ): retried on every poll until released
+                log.warning("NIXL refused to release an active transfer of %s; retrying later", ld.request_id)
+                self._orphans.append(x)
         ld.transfers.clear()
 
     def _fail(self, rid: str, kind: FailureKind, message: str) -> None:
@@ -804,9 +845,7 @@ class DecodeEngine(_RankEngine):
                 if st == "DONE":
                     _record_done(self.agent, self.stats, x, self._records, ld.peer.engine_id)
                     del ld.transfers[q]
-                    if self.tracker.part_done(rid, q):
-                        self._loads.pop(rid, None)
-                        self._post_process(ld)
+                    self._part_done(ld, q)
                 else:
                     self._fail(rid, FailureKind.TRANSFER,
                                f"READ from engine {ld.peer.engine_id!r} rank {q} ended in error")
@@ -818,6 +857,26 @@ class DecodeEngine(_RankEngine):
                 if ld.peer is peer:
                     self._fail(rid, FailureKind.TRANSFER, f"engine {peer.engine_id!r} failed a transfer")
             self._drop_peer(peer)
+
+    def _part_done(self, ld: _Load, part: int) -> None:
+        """One source rank of ``ld`` finished (pull: its READ completed; push: it wrote).
+
+        On the last one the request's blocks are post-processed before the
+        request is reported done; if that fails the request fails instead.
+        """
+        rid = ld.request_id
+        t = self.tracker.get(rid)
+        if t is None or t.state is not State.POSTED or part not in t.outstanding:
+            return
+        if len(t.outstanding) == 1:  # the last part: rearrange before anyone sees "done"
+            try:
+                self._post_process(ld)
+            except Exception as exc:  # a failed rearrangement leaves garbage: recompute the blocks
+                self._fail(rid, FailureKind.POST, f"post-processing the received blocks failed: {exc}")
+                return
+        if self.tracker.part_done(rid, part):
+            self._loads.pop(rid, None)
+            self._push_waiting.pop(rid, None)
 
     def _post_process(self, ld: _Load) -> None:
         """Rearrange a completed request's blocks in place when the plan says so
@@ -857,9 +916,7 @@ class DecodeEngine(_RankEngine):
             if n.decode_tp != ld.peer.tp_size or n.decode_rank not in ld.expect_from:
                 self.stats.notifications_malformed += 1
                 continue
-            if self.tracker.part_done(n.request_id, n.decode_rank):
-                self._loads.pop(n.request_id, None)
-                self._push_waiting.pop(n.request_id, None)
+            self._part_done(ld, n.decode_rank)
 
     def _iter_notifs(self):
         for sender, msgs in self.agent.notifications().items():
@@ -888,14 +945,15 @@ class PrefillEngine(_RankEngine):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.ledger = PrefillLedger(self._expected_for, self.config.lease_s, self.stats)
+        self.ledger = PrefillLedger(self._consumers_for, self.config.lease_s, self.stats)
         self._pushes: dict[str, _Push] = {}
         self._push_queue: list[_Push] = []
         self._push_released: list[Released] = []
 
-    def _expected_for(self, decode_tp: int) -> int:
+    def _consumers_for(self, decode_tp: int) -> tuple[int, ...]:
+        """The decode ranks (of a decode engine with TP ``decode_tp``) that notify this rank."""
         plan = plan_transfer(self.spec, _provisional(self.spec, self.spec.engine_id + "#decode", decode_tp))
-        return plan.prefill_ranks[self.rank].notifications_per_request
+        return plan.prefill_ranks[self.rank].consumer_ranks
 
     # push-mode planning hooks: the peer is a decode engine
     def _plan_for(self, peer_spec: EngineSpec) -> TransferPlan:
@@ -947,7 +1005,7 @@ class PrefillEngine(_RankEngine):
         for sender, msgs in self.agent.notifications().items():
             for raw in msgs:
                 outcome = self.ledger.on_notification(parse_notification(raw), now)
-                if outcome in ("unknown", "bad-token", "malformed", "bad-decode-tp"):
+                if outcome in ("unknown", "bad-token", "malformed", "bad-decode-tp", "unassigned"):
                     log.debug("ignored notification from %s: %s", sender, outcome)
         for rid in self.ledger.expire(now):
             log.warning("request %s: lease of %.1f s lapsed before every decode rank read it; "

@@ -52,8 +52,6 @@ def _child(conn: Connection, role: str, spec: EngineSpec, ranks: list[int], num_
 def _child_loop(conn, role, spec, ranks, num_blocks, config, incarnation, serve_first) -> None:
     import torch
 
-    from kvbridge.memory import kernel_spec, post_process
-
     from .engine import DecodeEngine, PrefillEngine
     from .synthetic import SyntheticCache, logical_kv
 
@@ -124,8 +122,11 @@ def _child_loop(conn, role, spec, ranks, num_blocks, config, incarnation, serve_
                         t_call = time.perf_counter()
                         engines[r].load(rid, params, local_ids, computed)
                         call_us[(r, rid)] = (time.perf_counter() - t_call) * 1e6
-                    else:
-                        engines[r].expect(rid, params.engine_id, params.tp_size, params.token, local_ids)
+                    else:  # push: the decode engine is told the prefill geometry it rearranges from
+                        engines[r].expect(rid, params.engine_id, params.tp_size, params.token, local_ids,
+                                          prefill_block_size=pspec.block_size,
+                                          prefill_head_order=pspec.head_order,
+                                          prefill_kernel_blocks_per_block=pspec.kernel_blocks_per_block)
                 pending[rid] = (seed, ntok, computed, list(local_ids), pspec, verify)
                 conn.send(("ok", None))
             elif cmd == "stats":
@@ -157,10 +158,7 @@ def _child_loop(conn, role, spec, ranks, num_blocks, config, incarnation, serve_
             r, rid = to_verify.pop(0)
             seed, ntok, computed, local_ids, pspec, verify = pending[rid]
             bad = -1
-            if verify:
-                if config.mode == "push":  # pull: the decode engine post-processes on completion
-                    plan = plan_transfer(kernel_spec(pspec), kernel_spec(spec))
-                    post_process(engines[r].regions, local_ids, plan.post_process, spec)
+            if verify:  # the decode engine has post-processed the blocks (pull and push)
                 bad = caches[r].verify(logical_kv(spec, seed, ntok), local_ids, computed, ntok)
             conn.send(("verified", (r, rid, bad)))
             if not any(x[1] == rid for x in to_verify):

@@ -7,7 +7,7 @@ they are deterministic and unit-testable.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 
 from .messages import Kind, Notification
@@ -25,6 +25,7 @@ class HeldRequest:
     deadline: float
     decode_tp: int | None = None
     expected: int | None = None
+    consumers: frozenset[int] = frozenset()
     notified_by: set[int] = field(default_factory=set)
 
 
@@ -40,16 +41,21 @@ class Released:
 class PrefillLedger:
     """Requests a prefill rank holds until every assigned decode rank has notified.
 
-    ``expected_for(decode_tp)`` says how many decode ranks of a decode engine
-    with that TP size notify this rank per request (from the topology plan).
-    Notifications name the decode rank; each (request, decode rank) counts once.
+    ``consumers_for(decode_tp)`` names the decode ranks of a decode engine with
+    that TP size that notify this prefill rank per request (the plan's
+    ``ProducerRankPlan.consumer_ranks``); it raises ``ValueError`` (or returns
+    nothing) for a TP size this rank cannot serve. A DONE notification counts
+    only when it comes from one of those ranks, each (request, decode rank)
+    once; DONE from any other decode rank is ignored and counted in
+    ``stats.notifications_unassigned``.
     """
 
-    def __init__(self, expected_for: Callable[[int], int], lease_s: float, stats: Stats | None = None):
+    def __init__(self, consumers_for: Callable[[int], Collection[int]], lease_s: float,
+                 stats: Stats | None = None):
         if lease_s <= 0:
             raise ValueError(f"lease must be positive seconds, got {lease_s!r}")
-        self._expected_for = expected_for
-        self._expected_cache: dict[int, int | None] = {}
+        self._consumers_for = consumers_for
+        self._consumers_cache: dict[int, frozenset[int]] = {}
         self.lease_s = lease_s
         self.stats = stats if stats is not None else Stats()
         self._held: dict[str, HeldRequest] = {}
@@ -67,13 +73,20 @@ class PrefillLedger:
         self._held[request_id] = HeldRequest(request_id, tuple(int(b) for b in block_ids), token,
                                              now + self.lease_s)
 
-    def _expected(self, decode_tp: int) -> int | None:
-        if decode_tp not in self._expected_cache:
+    def _consumers(self, decode_tp: int) -> frozenset[int]:
+        """The decode ranks that notify this rank when the decode TP is ``decode_tp`` (cached)."""
+        if decode_tp not in self._consumers_cache:
             try:
-                self._expected_cache[decode_tp] = self._expected_for(decode_tp)
+                got = self._consumers_for(decode_tp)
             except ValueError:
-                self._expected_cache[decode_tp] = None
-        return self._expected_cache[decode_tp]
+                got = ()
+            if isinstance(got, int) or not isinstance(got, Iterable):
+                raise TypeError(
+                    f"consumers_for({decode_tp}) must return the decode ranks (a collection of ints), "
+                    f"got {got!r}"
+                )
+            self._consumers_cache[decode_tp] = frozenset(int(r) for r in got)
+        return self._consumers_cache[decode_tp]
 
     def on_notification(self, n: Notification | None, now: float) -> str:
         """Apply one notification; returns what happened (for logs and tests)."""
@@ -95,20 +108,23 @@ class PrefillLedger:
         if n.kind is not Kind.DONE:
             self.stats.notifications_malformed += 1
             return "malformed"
-        if req.decode_tp is None:
-            expected = self._expected(n.decode_tp)
-            if expected is None or expected == 0:
-                self.stats.notifications_malformed += 1
-                return "bad-decode-tp"
-            req.decode_tp, req.expected = n.decode_tp, expected
-        elif n.decode_tp != req.decode_tp:
+        if req.decode_tp is not None and n.decode_tp != req.decode_tp:
             self.stats.notifications_malformed += 1
             return "bad-decode-tp"
+        consumers = self._consumers(n.decode_tp)
+        if not consumers:
+            self.stats.notifications_malformed += 1
+            return "bad-decode-tp"
+        if n.decode_rank not in consumers:  # the plan does not send this decode rank here
+            self.stats.notifications_unassigned += 1
+            return "unassigned"
+        if req.decode_tp is None:  # the first accepted DONE fixes the decode TP
+            req.decode_tp, req.expected, req.consumers = n.decode_tp, len(consumers), consumers
         if n.decode_rank in req.notified_by:
             self.stats.notifications_duplicate += 1
             return "duplicate"
         req.notified_by.add(n.decode_rank)
-        if req.expected is not None and len(req.notified_by) >= req.expected:
+        if req.notified_by >= req.consumers:
             self._release(req, "notified")
             return "released"
         return "counted"

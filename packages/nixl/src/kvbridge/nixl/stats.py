@@ -13,7 +13,8 @@ class Stats:
     requests_failed: int = 0
     transfers: int = 0
     bytes: int = 0
-    descriptors: int = 0
+    descriptors: int = 0  # NIXL telemetry: descriptors after NIXL merged adjacent ones
+    descriptors_posted: int = 0  # descriptors kvbridge handed to NIXL (index entries, before merging)
     posts: int = 0  # requests whose transfers were built and posted
     prep_us: int = 0  # kvbridge time from block ids to transfers ready to post
     post_us: int = 0  # NIXL telemetry: time spent posting
@@ -26,6 +27,7 @@ class Stats:
     notifications_bad_token: int = 0
     notifications_malformed: int = 0
     notifications_duplicate: int = 0
+    notifications_unassigned: int = 0  # DONE from a decode rank the plan does not assign to this rank
     leases_renewed: int = 0
     leases_expired: int = 0
     requests_released: int = 0
