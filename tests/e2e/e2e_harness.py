@@ -225,7 +225,10 @@ KVBRIDGE_CONNECTOR = ConnectorUnderTest(
     module_path="kvbridge.vllm",
     env={"KVBRIDGE_SIDE_CHANNEL_HOST": "{host}", "KVBRIDGE_SIDE_CHANNEL_PORT": "{port}"},
     # as long as NIXL_CONNECTOR's: an expiry fails the test, and two shared cores are slow
-    extra_config={"lease_seconds": 900},
+    # (a prefill engine core starved by a TP 2 decode engine answered a handshake after
+    # 2.7 s once, and not within 10 s another time); a dead prefill is still found at once,
+    # since refused connections fail the handshake within a second
+    extra_config={"lease_seconds": 900, "handshake_timeout_seconds": 60},
     failure_counters=(
         "vllm:kvbridge_num_failed_transfers",
         "vllm:kvbridge_num_expired_leases",

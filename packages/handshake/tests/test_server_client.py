@@ -26,6 +26,7 @@ from kvbridge.handshake import (
     InvalidMetadata,
     MalformedReply,
     MetadataServer,
+    PeerUnreachable,
     RequestRejected,
     UnknownRank,
     WrongEngine,
@@ -123,11 +124,38 @@ def test_timeout_on_nonexistent_server_is_bounded():
     # nothing listens on port any more
     t0 = time.monotonic()
     with pytest.raises(HandshakeTimeout, match="side_channel_port") as info:
-        fetch(port, [0], timeout=0.2, retries=2, backoff=0.05)
+        fetch(port, [0], timeout=0.2, retries=2, backoff=0.05, refused_grace=5.0)
     elapsed = time.monotonic() - t0
     bound = 3 * 0.2 + 0.05 + 0.1
     assert 3 * 0.2 <= elapsed < bound + 0.5, elapsed
     assert isinstance(info.value, TimeoutError)
+
+
+def test_refused_connections_fail_fast_with_their_own_error():
+    """A dead engine (nothing listens) is reported in about refused_grace, not after the timeout."""
+    with MetadataServer(engine_metadata(1), compat_hash=HASH) as server:
+        port = server.port
+    t0 = time.monotonic()
+    with pytest.raises(PeerUnreachable, match="not running") as info:
+        fetch(port, [0], timeout=30, retries=3, refused_grace=0.5)
+    assert 0.4 < time.monotonic() - t0 < 3.0
+    assert isinstance(info.value, ConnectionError) and not isinstance(info.value, TimeoutError)
+
+
+def test_an_engine_that_starts_within_the_grace_is_reached():
+    with MetadataServer(engine_metadata(1), compat_hash=HASH) as server:
+        port = server.port
+    result: dict = {}
+
+    def client():
+        result["md"] = fetch(port, [0], timeout=10, retries=0, refused_grace=3.0)
+
+    t = threading.Thread(target=client)
+    t.start()
+    time.sleep(0.5)  # refused meanwhile
+    with MetadataServer(engine_metadata(1), compat_hash=HASH, port=port):
+        t.join(10)
+    assert result["md"][0].rank == 0
 
 
 def test_timeout_on_silent_server_retries_with_fresh_sockets():
@@ -291,7 +319,7 @@ def test_client_retries_across_a_restart_gap():
     result: dict = {}
 
     def client():
-        result["md"] = fetch(port, [1], timeout=0.2, retries=8, backoff=0.05)
+        result["md"] = fetch(port, [1], timeout=0.2, retries=8, backoff=0.05, refused_grace=5.0)
 
     t = threading.Thread(target=client)
     t.start()

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 
 import msgspec
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from . import wire
 from .errors import (
@@ -15,6 +16,7 @@ from .errors import (
     HandshakeTimeout,
     IncompatiblePeer,
     MalformedReply,
+    PeerUnreachable,
     RequestRejected,
     UnknownRank,
     WrongEngine,
@@ -38,6 +40,7 @@ def fetch_metadata(
     backoff: float = 0.05,
     max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES,
     context: zmq.Context | None = None,
+    refused_grace: float = 1.0,
 ) -> dict[int, AgentMetadata]:
     """Fetch and validate the metadata of ``ranks`` from the side channel at ``host:port``.
 
@@ -51,6 +54,12 @@ def fetch_metadata(
     the request is retried up to ``retries`` more times after sleeping
     ``backoff * 2**attempt`` seconds. The worst case before
     :class:`HandshakeTimeout` is about ``(retries + 1) * timeout + backoff * (2**retries - 1)``.
+
+    A peer that refuses connections (nothing listens: the engine is not
+    running, or the port is wrong) is given up on after ``refused_grace``
+    seconds of refusals, with :class:`PeerUnreachable`, instead of waiting for
+    the timeout: a dead prefill engine is detected in about a second while a
+    slow but living one still gets the whole ``timeout``.
 
     ``compat_hash=None`` turns the compatibility check off (expert option: the
     caller then vouches that model, dtypes, layout and backend match).
@@ -66,7 +75,7 @@ def fetch_metadata(
         protocol_version=wire.PROTOCOL_VERSION, ranks=want, engine_id=engine_id, nonce=nonce))
     try:
         reply = _request(ctx, endpoint, request, timeout, retries, backoff, max_reply_bytes,
-                         want, engine_id)
+                         want, engine_id, refused_grace)
     finally:
         if own_ctx:
             ctx.term()
@@ -102,10 +111,46 @@ def _check_args(host: object, port: object, ranks: Sequence[int], timeout: float
     return want
 
 
+_MONITORED = zmq.EVENT_CONNECTED | zmq.EVENT_CONNECT_RETRIED
+
+
+def _await_reply(sock: zmq.Socket, mon: zmq.Socket, timeout: float, refused_grace: float,
+                 endpoint: str, who: str) -> list[bytes] | None:
+    """The reply to the request sent on ``sock``, or None after ``timeout``; raises
+    PeerUnreachable when every connection attempt for ``refused_grace`` s was refused
+    (``mon``: the monitor socket of ``sock``)."""
+    try:
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(mon, zmq.POLLIN)
+        start = time.monotonic()
+        deadline = start + timeout
+        connected, first_refusal = False, None
+        while (left := deadline - time.monotonic()) > 0:
+            events = dict(poller.poll(max(1, int(left * 1000))))
+            if sock in events:
+                return sock.recv_multipart(zmq.NOBLOCK)
+            if mon in events:
+                ev = recv_monitor_message(mon, zmq.NOBLOCK)["event"]
+                if ev == zmq.EVENT_CONNECTED:
+                    connected = True
+                elif ev == zmq.EVENT_CONNECT_RETRIED and not connected:
+                    now = time.monotonic()
+                    first_refusal = first_refusal or now
+                    if now - first_refusal >= refused_grace:
+                        raise PeerUnreachable(
+                            f"nothing accepts connections at {endpoint} (refused for "
+                            f"{now - start:.1f} s): {who} is not running, or its side channel "
+                            f"is on another host or port (see side_channel_port)")
+        return None
+    finally:
+        mon.close(linger=0)
+
+
 def _request(ctx: zmq.Context, endpoint: str, request: bytes, timeout: float, retries: int,
              backoff: float, max_reply_bytes: int, want: list[int],
-             engine_id: str | None) -> list[bytes]:
-    timeout_ms = max(1, int(timeout * 1000))
+             engine_id: str | None, refused_grace: float) -> list[bytes]:
+    who = f"engine {engine_id!r}" if engine_id else "the prefill engine"
     for attempt in range(retries + 1):
         if attempt:
             time.sleep(backoff * (2 ** (attempt - 1)))
@@ -115,20 +160,23 @@ def _request(ctx: zmq.Context, endpoint: str, request: bytes, timeout: float, re
             sock.setsockopt(zmq.MAXMSGSIZE, max_reply_bytes)
             if endpoint.startswith("tcp://["):
                 sock.setsockopt(zmq.IPV6, 1)
+            mon = sock.get_monitor_socket(_MONITORED)  # before connect: see every attempt
             try:
                 sock.connect(endpoint)
             except zmq.ZMQError as exc:
+                mon.close(linger=0)
                 raise HandshakeError(f"cannot connect to {endpoint}: {exc}; check the host "
                                      f"name and port") from exc
             try:
-                sock.send(request, zmq.NOBLOCK)
+                sock.send(request, zmq.NOBLOCK)  # queued until the connection is up
             except zmq.Again:
-                continue  # no connection yet: retry
-            if sock.poll(timeout_ms, zmq.POLLIN):
-                return sock.recv_multipart(zmq.NOBLOCK)
+                mon.close(linger=0)
+                continue
+            reply = _await_reply(sock, mon, timeout, refused_grace, endpoint, who)
+            if reply is not None:
+                return reply
         finally:
             sock.close(linger=0)  # a REQ socket that timed out can never be reused
-    who = f"engine {engine_id!r}" if engine_id else "the prefill engine"
     raise HandshakeTimeout(
         f"no handshake reply from {endpoint} for ranks {want} within {timeout} s, "
         f"{retries + 1} attempts; check that {who} is running and serves its side channel on this "

@@ -15,6 +15,10 @@ class HandshakeTimeout(HandshakeError, TimeoutError):
     """No reply came from the side-channel server within the bounded wait (after retries)."""
 
 
+class PeerUnreachable(HandshakeError, ConnectionError):
+    """Nothing accepts connections at the side-channel address (connection refused)."""
+
+
 class IncompatiblePeer(HandshakeError):
     """The peer speaks another protocol version or serves an incompatible model/cache."""
 
