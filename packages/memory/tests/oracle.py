@@ -389,7 +389,8 @@ def run_case(case: Case) -> dict:
         assert geo == geo_local, "handshake geometry differs from the peer's own geometry"
         prefill.append((r, geo))
 
-    stats = {"descs": 0, "rows": 0, "post": plan.post_process.needed}
+    stats = {"descs": 0, "rows": 0, "post": plan.post_process.needed,
+             "per_head": any(p.reads_per_head for p in plan.decode_ranks)}
     if d_spec.is_packed or p_spec.is_packed:
         assert d_spec.is_packed and p_spec.is_packed, "topology planned a packed/unpacked pair"
         assert not plan.post_process.needed, "a packed pair must never need post-processing"

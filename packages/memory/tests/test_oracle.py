@@ -39,6 +39,28 @@ PINNED = {
                                           d_block=8, tokens=21),
     "larger_remote_blocks_nhd": Case(K=4, p_tp=2, d_tp=2, p_block=8, d_block=4, p_order=N,
                                      d_order=N),
+    # larger prefill (kernel) blocks holding several heads in HND: read head by head
+    "larger_remote_blocks_hnd_tp4_to_tp2": Case(K=8, p_tp=4, d_tp=2, p_block=8, d_block=4),
+    "larger_remote_blocks_hnd_tp2_to_tp4": Case(K=8, p_tp=2, d_tp=4, p_block=8, d_block=2,
+                                                tokens=21, strided=True),
+    "larger_remote_blocks_hnd_same_tp_prefix_hit": Case(K=4, p_tp=1, d_tp=1, p_block=8,
+                                                        d_block=2, skip_blocks=3, tokens=19),
+    "larger_remote_blocks_hnd_tp_up_prefix_hit": Case(K=8, p_tp=2, d_tp=8, p_block=8, d_block=4,
+                                                      skip_blocks=2, tokens=23, strided=True),
+    "larger_remote_blocks_hnd_to_nhd": Case(K=8, p_tp=2, d_tp=2, p_block=8, d_block=4,
+                                            d_order=N, layout=Layout.BLOCKS_FIRST),
+    "larger_remote_blocks_hnd_local_kernel_split": Case(K=8, p_tp=4, d_tp=2, p_block=8,
+                                                        d_block=8, d_kernel=2, skip_blocks=1,
+                                                        tokens=21),
+    "larger_remote_blocks_hnd_kernel_split_both": Case(K=4, p_tp=1, d_tp=2, p_block=16,
+                                                       p_kernel=2, d_block=4, d_kernel=2,
+                                                       skip_blocks=2, tokens=22, strided=True),
+    "larger_remote_blocks_hnd_non_dividing_tp": Case(K=6, p_tp=2, d_tp=3, p_block=4, d_block=2),
+    "larger_remote_blocks_hnd_mixed_layouts": Case(K=4, p_tp=2, d_tp=1, p_block=8, d_block=2,
+                                                   p_layout=Layout.KV_FIRST,
+                                                   d_layout=Layout.BLOCKS_FIRST, skip_blocks=1),
+    "larger_remote_blocks_hnd_cross_layer": Case(K=4, p_tp=1, d_tp=2, p_block=8, d_block=4,
+                                                 layout=Layout.BLOCKS_FIRST, cross_layer=True),
     "kernel_split_both": Case(K=4, p_tp=2, d_tp=4, p_kernel=2, d_kernel=2, p_block=8, d_block=8),
     "kernel_split_local_only": Case(K=4, p_tp=4, d_tp=2, d_kernel=2, p_block=4, d_block=8),
     "prefix_hit": Case(K=4, p_tp=2, d_tp=4, skip_blocks=2, tokens=17),
@@ -185,6 +207,44 @@ def packed_cases(draw) -> Case:
     return case
 
 
+@st.composite
+def larger_remote_hnd_cases(draw) -> Case:
+    """Prefill kernel blocks larger than the decode ones, several heads per prefill rank, HND
+    on the prefill side: every unit is read head by head. TP splits both ways, kernel splits
+    on either side, both per-layer layouts drawn per side, prefix hits, padding."""
+    K = draw(st.sampled_from([2, 4, 8]))
+    p_tp = draw(st.sampled_from([t for t in _tps(K) if K // t >= 2]))
+    fewer = [t for t in _tps(K) if t < p_tp]  # decode TP below prefill TP: several sources
+    d_tp = draw(st.sampled_from(fewer if fewer and draw(st.booleans()) else _tps(K)))
+    p_kb = draw(st.sampled_from([2, 4, 8]))
+    d_kb = draw(st.sampled_from([t for t in (1, 2, 4) if t < p_kb and p_kb % t == 0]))
+    p_kernel, d_kernel = draw(st.sampled_from([1, 2])), draw(st.sampled_from([1, 2, 4]))
+    tokens = draw(st.integers(1, 30))
+    d_block = d_kb * d_kernel
+    d_blocks = -(-tokens // d_block)
+    return Case(
+        K=K, p_tp=p_tp, d_tp=d_tp, layers=draw(st.sampled_from([1, 2])),
+        head_dim=draw(st.sampled_from([1, 2])),
+        p_layout=draw(st.sampled_from([Layout.KV_FIRST, Layout.BLOCKS_FIRST])),
+        d_layout=draw(st.sampled_from([Layout.KV_FIRST, Layout.BLOCKS_FIRST])),
+        p_order=H, d_order=draw(st.sampled_from([H, N])),
+        p_block=p_kb * p_kernel, d_block=d_block, p_kernel=p_kernel, d_kernel=d_kernel,
+        tokens=tokens, skip_blocks=draw(st.integers(0, d_blocks)) if draw(st.booleans()) else 0,
+        strided=draw(st.booleans()), seed=draw(st.integers(0, 2**16)),
+    )
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(larger_remote_hnd_cases())
+def test_oracle_grid_larger_remote_hnd_blocks(case):
+    stats = run_case(case)
+    assert stats["per_head"], "the case should read larger remote HND blocks head by head"
+    event(f"tp={'down' if case.p_tp > case.d_tp else 'up' if case.p_tp < case.d_tp else 'equal'}")
+    event(f"kernel_split={(case.p_kernel, case.d_kernel) != (1, 1)}")
+    event(f"prefix_hit={case.skip_blocks > 0}")
+    event(f"post_process={stats['post']}")
+
+
 @settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.filter_too_much,
                                                                    HealthCheck.too_slow])
 @given(cases())
@@ -202,6 +262,7 @@ def test_oracle_grid(case):
     event(f"post_process={stats['post']}")
     event(f"block_ratio={case.p_block != case.d_block}")
     event(f"prefix_hit={case.skip_blocks > 0}")
+    event(f"reads_per_head={stats['per_head']}")
 
 
 def test_oracle_catches_a_wrong_offset(monkeypatch):
@@ -248,6 +309,17 @@ def test_oracle_packed_arrangements_really_differ():
     assert torch.equal(arenas[0].sort().values, arenas[1].sort().values)
 
 
+def test_oracle_catches_contiguous_units_in_larger_remote_hnd_blocks(monkeypatch):
+    """A planner that took one unit of a larger HND prefill block holding several heads for one
+    byte range (the tokens of every head side by side) is caught."""
+    import kvbridge.topology.plan as plan_mod
+
+    monkeypatch.setattr(plan_mod, "_remote_units_cut_heads", lambda local, remote: False)
+    for name in ("larger_remote_blocks_hnd_tp4_to_tp2", "larger_remote_blocks_hnd_tp2_to_tp4"):
+        with pytest.raises(AssertionError):
+            run_case(PINNED[name])
+
+
 def test_oracle_catches_missing_post_process(monkeypatch):
     monkeypatch.setattr("oracle.post_process", lambda *a, **k: None)
     with pytest.raises(AssertionError):
@@ -261,3 +333,4 @@ def test_oracle_pinned_cuda(name):
     case = PINNED[name]
     case = Case(**{**case.__dict__, "device": "cuda"})
     run_case(case)
+

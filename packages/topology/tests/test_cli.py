@@ -57,6 +57,27 @@ def test_plan_json_mamba_keys_and_block_ratio():
     assert json.loads(out.stdout)["block_size_ratio"] == 0.5
 
 
+def test_plan_larger_prefill_blocks_with_several_heads_hnd():
+    # was refused (exit 2); one read per head, 16-token units of 32-token prefill blocks
+    base = ["plan", "--prefill-tp", "4", "--decode-tp", "2", "--kv-heads", "8",
+            "--prefill-block-size", "32", "--decode-block-size", "16"]
+    out = run(*base)
+    assert out.returncode == 0, out.stderr
+    assert "heads are read one by one" in out.stdout
+    # head 4096 bytes per 16 tokens (128 x bf16): P2's heads at 0 and 8192 of its 32-token element
+    assert "D1: sources [2, 3]  reads P2[0:4096]->@0, P2[8192:12288]->@4096, " in out.stdout
+    doc = json.loads(run(*base, "--json").stdout)
+    assert doc["block_size_ratio"] == 0.5 and doc["unit_tokens"] == 16
+    d0 = doc["decode_ranks"][0]
+    assert d0["remote_unit_bytes"] == 8192 and d0["remote_unit_stride"] == 4096
+    assert [r["remote_offset"] for r in d0["reads"]] == [0, 8192, 0, 8192]
+    assert d0["descriptors_per_block"] == 80 * 2 * 4
+    # equal block sizes: units are contiguous, the stride is the unit
+    doc = json.loads(run("plan", "--prefill-tp", "4", "--decode-tp", "2", "--kv-heads", "8",
+                         "--json").stdout)
+    assert all(d["remote_unit_stride"] == d["remote_unit_bytes"] for d in doc["decode_ranks"])
+
+
 def test_plan_svg_is_wellformed(tmp_path):
     svg = tmp_path / "plan.svg"
     out = run("plan", "--prefill-tp", "16", "--decode-tp", "8", "--kv-heads", "8", "--svg", str(svg))

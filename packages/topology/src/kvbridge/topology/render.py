@@ -57,6 +57,7 @@ def plan_to_json(plan: TransferPlan) -> dict[str, Any]:
             "unit_tokens": p.unit_tokens,
             "local_unit_bytes": p.local_unit_bytes,
             "remote_unit_bytes": p.remote_unit_bytes,
+            "remote_unit_stride": p.remote_unit_stride,
             "descriptors_per_block": plan.descriptors_per_block(p.local_rank),
         }
         m = p.mamba
@@ -153,7 +154,16 @@ def plan_to_text(plan: TransferPlan) -> str:
     )
     lines.append("")
     element = "packed K+V element" if D.is_packed else "K/V element"
-    lines.append(f"decode ranks (offsets in bytes within one {element} of a {unit}-token unit):")
+    per_head = [p for p in plan.decode_ranks if p.reads_per_head]
+    if per_head:
+        lines.append(
+            f"decode ranks (local offsets in bytes within one {element} of a {unit}-token unit; "
+            f"prefill kernel blocks of {P.kernel_block_size} tokens hold {P.heads_per_rank} heads "
+            f"in HND order, so heads are read one by one: prefill offsets are within one "
+            f"{P.kernel_block_size}-token {element}, unit u at +u x {per_head[0].remote_unit_stride} B):"
+        )
+    else:
+        lines.append(f"decode ranks (offsets in bytes within one {element} of a {unit}-token unit):")
     for p in plan.decode_ranks:
         reads = ", ".join(
             f"P{r.remote_rank}[{r.remote_offset}:{r.remote_offset + r.length}]->@{r.local_offset}"
