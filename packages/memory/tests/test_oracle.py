@@ -61,6 +61,16 @@ PINNED = {
                                                    d_layout=Layout.BLOCKS_FIRST, skip_blocks=1),
     "larger_remote_blocks_hnd_cross_layer": Case(K=4, p_tp=1, d_tp=2, p_block=8, d_block=4,
                                                  layout=Layout.BLOCKS_FIRST, cross_layer=True),
+    # kernel blocks (Mamba pages) padded past their elements: padding must stay untouched
+    "padded_blocks_kv_first": Case(K=4, p_tp=1, d_tp=1, pad_words=2),
+    "padded_blocks_first_tp_split": Case(K=8, p_tp=2, d_tp=4, layout=Layout.BLOCKS_FIRST,
+                                         pad_words=3, d_kernel=2, d_block=8, p_block=4),
+    "padded_larger_remote_blocks_hnd": Case(K=8, p_tp=4, d_tp=2, p_block=8, d_block=4,
+                                            pad_words=1, skip_blocks=1, strided=True),
+    "padded_mla": Case(K=1, p_tp=2, d_tp=1, mla=True, head_dim=4, pad_words=5),
+    "padded_packed": Case(K=4, p_tp=2, d_tp=4, layout=P, pad_words=2, packed_view="flat"),
+    "padded_mamba_pages": Case(K=4, p_tp=2, d_tp=4, layout=Layout.BLOCKS_FIRST, mamba=_mamba(),
+                               pad_words=4),
     "kernel_split_both": Case(K=4, p_tp=2, d_tp=4, p_kernel=2, d_kernel=2, p_block=8, d_block=8),
     "kernel_split_local_only": Case(K=4, p_tp=4, d_tp=2, d_kernel=2, p_block=4, d_block=8),
     "prefix_hit": Case(K=4, p_tp=2, d_tp=4, skip_blocks=2, tokens=17),
@@ -168,6 +178,7 @@ def cases(draw) -> Case:
         skip_blocks=draw(st.integers(0, d_blocks)) if draw(st.booleans()) else 0,
         mamba_remote_pages=draw(st.integers(1, 2)), mamba_local_pages=1,
         strided=draw(st.booleans()), seed=draw(st.integers(0, 2**16)),
+        pad_words=0 if kind == "cross" else draw(st.sampled_from([0, 0, 1, 3])),
     )
     try:
         plan_transfer(kernel_spec(case.spec("p")), kernel_spec(case.spec("d")))
@@ -197,6 +208,7 @@ def packed_cases(draw) -> Case:
         strided=draw(st.booleans()), seed=draw(st.integers(0, 2**16)),
         packed_inner=draw(st.sampled_from(["kv-rows", "token-kv"])),
         packed_view=draw(st.sampled_from(["4d", "permuted", "flat"])),
+        pad_words=draw(st.sampled_from([0, 0, 2])),
     )
     try:
         plan_transfer(kernel_spec(case.spec("p")), kernel_spec(case.spec("d")))
@@ -231,6 +243,7 @@ def larger_remote_hnd_cases(draw) -> Case:
         p_block=p_kb * p_kernel, d_block=d_block, p_kernel=p_kernel, d_kernel=d_kernel,
         tokens=tokens, skip_blocks=draw(st.integers(0, d_blocks)) if draw(st.booleans()) else 0,
         strided=draw(st.booleans()), seed=draw(st.integers(0, 2**16)),
+        pad_words=draw(st.sampled_from([0, 0, 1])),
     )
 
 
@@ -262,6 +275,7 @@ def test_oracle_grid(case):
     event(f"post_process={stats['post']}")
     event(f"block_ratio={case.p_block != case.d_block}")
     event(f"prefix_hit={case.skip_blocks > 0}")
+    event(f"padded={case.pad_words > 0}")
     event(f"reads_per_head={stats['per_head']}")
 
 
@@ -317,6 +331,23 @@ def test_oracle_catches_contiguous_units_in_larger_remote_hnd_blocks(monkeypatch
     monkeypatch.setattr(plan_mod, "_remote_units_cut_heads", lambda local, remote: False)
     for name in ("larger_remote_blocks_hnd_tp4_to_tp2", "larger_remote_blocks_hnd_tp2_to_tp4"):
         with pytest.raises(AssertionError):
+            run_case(PINNED[name])
+
+
+def test_oracle_catches_writes_into_padding(monkeypatch):
+    """Descriptors one word too long write only into the padding after each element: no
+    element view sees it, the untouched-bytes check does."""
+    real = descriptors.rank_descriptors
+
+    def longer(*args, **kwargs):
+        rd = real(*args, **kwargs)
+        rd.local_rows[:, 1] += np.uint64(4)
+        rd.remote_rows[:, 1] += np.uint64(4)
+        return rd
+
+    monkeypatch.setattr("oracle.rank_descriptors", longer)
+    for name in ("padded_blocks_kv_first", "padded_mla"):
+        with pytest.raises(AssertionError, match="outside the request's elements"):
             run_case(PINNED[name])
 
 
