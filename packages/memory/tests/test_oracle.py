@@ -365,3 +365,12 @@ def test_oracle_pinned_cuda(name):
     case = Case(**{**case.__dict__, "device": "cuda"})
     run_case(case)
 
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.filter_too_much,
+                                                                  HealthCheck.too_slow])
+@given(st.one_of(cases(), larger_remote_hnd_cases()))
+def test_oracle_grid_cuda(case):
+    """The hypothesis grid (fewer examples) with every rank's cache in CUDA memory."""
+    run_case(Case(**{**case.__dict__, "device": "cuda"}))
