@@ -130,6 +130,17 @@ def test_non_divisible_tp_sizes_are_served_by_interval_reads():
     assert [q.notifications_per_request for q in plan.prefill_ranks] == [1, 2, 1]
 
 
+def test_block_size_ratio_names_say_their_direction():
+    bigger_decode = plan_transfer(llama70b("p", 1, block_size=16), llama70b("d", 1, block_size=64))
+    bigger_prefill = plan_transfer(llama70b("p", 1, block_size=32), llama70b("d", 1, block_size=16))
+    assert bigger_decode.block_size_ratio == 4
+    assert bigger_prefill.block_size_ratio == 2  # larger / smaller, whichever side
+    assert bigger_decode.decode_over_prefill_block_size == 4
+    assert type(bigger_decode.decode_over_prefill_block_size) is int
+    assert bigger_prefill.decode_over_prefill_block_size == 0.5
+    assert not hasattr(bigger_prefill, "signed_block_size_ratio")
+
+
 def test_block_size_mismatch_reads_in_units_of_the_smaller_block():
     plan = plan_transfer(llama70b("p", 1, block_size=16), llama70b("d", 1, block_size=64))
     assert plan.block_size_ratio == 4

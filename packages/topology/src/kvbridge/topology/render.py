@@ -32,10 +32,6 @@ def _engine_doc(spec) -> dict[str, Any]:
     }
 
 
-def _ratio_number(num: int, den: int) -> int | float:
-    return num // den if num % den == 0 else num / den
-
-
 def plan_to_json(plan: TransferPlan) -> dict[str, Any]:
     """The plan as a JSON-ready dict following docs/plan-schema.md (schema kvbridge.plan/1)."""
     decode_docs = []
@@ -92,7 +88,7 @@ def plan_to_json(plan: TransferPlan) -> dict[str, Any]:
         "prefill": _engine_doc(plan.prefill),
         "decode": _engine_doc(plan.decode),
         "tp_ratio": plan.tp_ratio,
-        "block_size_ratio": _ratio_number(plan.decode.block_size, plan.prefill.block_size),
+        "block_size_ratio": plan.decode_over_prefill_block_size,
         "unit_tokens": min(plan.decode.kernel_block_size, plan.prefill.kernel_block_size),
         "decode_ranks": decode_docs,
         "prefill_ranks": [
@@ -144,7 +140,7 @@ def plan_to_text(plan: TransferPlan) -> str:
     ratio = "n/a (general interval reads)" if plan.tp_ratio is None else str(plan.tp_ratio)
     lines.append(
         f"model:   {D.num_kv_heads} KV heads x {D.head_dim}, {D.num_layers} layers, {D.dtype}; "
-        f"TP ratio {ratio}; block-size ratio {_ratio_number(D.block_size, P.block_size)}"
+        f"TP ratio {ratio}; block-size ratio (decode/prefill) {plan.decode_over_prefill_block_size}"
     )
     unit = min(P.kernel_block_size, D.kernel_block_size)
     lines.append(

@@ -40,6 +40,9 @@ class TransferPlan:
     prefill: EngineSpec
     decode: EngineSpec
     tp_ratio: int | None
+    #: larger block size / smaller block size (>= 1, direction-free; see
+    #: :attr:`decode_over_prefill_block_size` for the direction, which the JSON calls
+    #: ``block_size_ratio``)
     block_size_ratio: int
     decode_ranks: tuple[RankPlan, ...]
     prefill_ranks: tuple[ProducerRankPlan, ...]
@@ -49,9 +52,11 @@ class TransferPlan:
     warnings: tuple[str, ...]
 
     @property
-    def signed_block_size_ratio(self) -> float:
-        """decode block size / prefill block size."""
-        return self.decode.block_size / self.prefill.block_size
+    def decode_over_prefill_block_size(self) -> int | float:
+        """Decode block size / prefill block size: an int when the decode blocks are the larger
+        (or equal) ones, else a fraction such as ``0.5`` (the JSON ``block_size_ratio``)."""
+        d, p = self.decode.block_size, self.prefill.block_size
+        return d // p if d % p == 0 else d / p
 
     def rank(self, decode_rank: int) -> RankPlan:
         return self.decode_ranks[decode_rank]
