@@ -415,6 +415,7 @@ def run_case(case: Case) -> dict:
         rp = plan.decode_ranks[d]
         written = np.zeros(loc.arena.numel(), dtype=np.int64)
         base_l = loc.arena.data_ptr()
+        mamba_descs = mamba_bytes = 0
         for q in rp.handshake_ranks:
             prank, rgeo = prefill[q]
             rd = rank_descriptors(rp, q, lgeo, rgeo)
@@ -429,6 +430,8 @@ def run_case(case: Case) -> dict:
             li, ri = rd.indices(d_ids, p_ids, local_skip_blocks=skip)
             if case.mamba:
                 mli, mri = rd.indices(d_pages, p_pages, group="mamba")
+                mamba_descs += len(mli)
+                mamba_bytes += int(_addresses(rd, mli, "local", case.strided)[1].sum())
                 li, ri = np.concatenate([li, mli]), np.concatenate([ri, mri])
             assert li.dtype == np.int32 and ri.dtype == np.int32 and len(li) == len(ri)
             if len(li) == 0:
@@ -439,6 +442,9 @@ def run_case(case: Case) -> dict:
             copy_bytes(loc.arena, la - base_l, prank.arena, ra - prank.arena.data_ptr(), ll, written)
             stats["descs"] += len(li)
         assert written.max(initial=0) <= 1, "some local bytes were written twice"
+        # what `kvbridge plan` reports for the Mamba state is what the descriptors move
+        assert mamba_descs == plan.mamba_descriptors_per_request(d) * len(d_pages)
+        assert mamba_bytes == plan.mamba_bytes_per_request(d) * len(d_pages)
         post_process(regs, d_ids, plan.post_process, d_spec)
 
         # expected: an untouched copy of this rank's cache with the true values filled in

@@ -78,6 +78,26 @@ def test_plan_larger_prefill_blocks_with_several_heads_hnd():
     assert all(d["remote_unit_stride"] == d["remote_unit_bytes"] for d in doc["decode_ranks"])
 
 
+def test_plan_mamba_text_counts_the_state_pieces():
+    base = ["plan", "--prefill-tp", "4", "--decode-tp", "2", "--kv-heads", "8", "--mamba"]
+    out = run(*base)
+    assert out.returncode == 0, out.stderr
+    # per layer and decode rank (TP 2): x 32 heads x 64 x 3 x 2 B, B and C 4 groups x 128 x 3
+    # x 2 B, SSM 32 x 64 x 128 x 4 B = 1,067,008 B; x 80 layer regions = 81.4 MiB per request
+    assert "+ Mamba-2 state (conv x/B/C + SSM, one state page per request in each of 80 layer " \
+           "regions): 81.4 MiB per request per decode rank, 162.8 MiB per request in all" in out.stdout
+    assert "per decode block per rank (attention KV)" in out.stdout
+    # 8 pieces (x, B, C, SSM from each of two prefill ranks) x 80 regions
+    assert "descriptors/block 320 attention + 640/request Mamba state" in out.stdout
+    assert "x P0[0:6144]->@0, x P1[0:6144]->@6144, B P0[6144:7680]->@12288" in out.stdout
+    d0 = json.loads(run(*base, "--json").stdout)["decode_ranks"][0]
+    assert d0["mamba_descriptors_per_request"] == 640 and d0["descriptors_per_block"] == 320
+    assert d0["mamba_state_bytes_per_request"] == 80 * 1_067_008
+    assert sum(p["length"] for p in d0["mamba_pieces"]) == 1_067_008
+    plain = run("plan", "--prefill-tp", "4", "--decode-tp", "2", "--kv-heads", "8")
+    assert "Mamba" not in plain.stdout and "attention KV" not in plain.stdout
+
+
 def test_plan_svg_is_wellformed(tmp_path):
     svg = tmp_path / "plan.svg"
     out = run("plan", "--prefill-tp", "16", "--decode-tp", "8", "--kv-heads", "8", "--svg", str(svg))

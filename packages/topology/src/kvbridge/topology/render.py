@@ -70,6 +70,8 @@ def plan_to_json(plan: TransferPlan) -> dict[str, Any]:
                 remote_replicated=m.remote_replicated,
                 remote_physical_heads=m.remote_physical_heads,
                 fa_emptied_ranks=list(m.fa_emptied_ranks),
+                mamba_descriptors_per_request=plan.mamba_descriptors_per_request(p.local_rank),
+                mamba_state_bytes_per_request=plan.mamba_bytes_per_request(p.local_rank),
                 mamba_pieces=[
                     {
                         "piece": x.name,
@@ -147,7 +149,15 @@ def plan_to_text(plan: TransferPlan) -> str:
         f"moved:   {_human(D.bytes_per_token)} per token per decode rank, "
         f"{_human(D.bytes_per_token * D.tp_size)} per token in all; "
         f"{_human(D.bytes_per_token * D.block_size)} per decode block per rank"
+        + (" (attention KV)" if D.mamba else "")
     )
+    if D.mamba is not None:
+        state = [plan.mamba_bytes_per_request(p.local_rank) for p in plan.decode_ranks]
+        lines.append(
+            f"         + Mamba-2 state (conv x/B/C + SSM, one state page per request in each of "
+            f"{plan.decode_layout.regions} layer regions): {_human(max(state))} per request per "
+            f"decode rank, {_human(sum(state))} per request in all"
+        )
     lines.append("")
     element = "packed K+V element" if D.is_packed else "K/V element"
     per_head = [p for p in plan.decode_ranks if p.reads_per_head]
@@ -166,16 +176,29 @@ def plan_to_text(plan: TransferPlan) -> str:
             for r in p.reads
         )
         notify = ", ".join(f"P{q}" for q in p.notify_only_ranks) or "-"
+        mamba_descs = ""
+        if p.mamba is not None:
+            mamba_descs = (f" attention + {plan.mamba_descriptors_per_request(p.local_rank)}/request "
+                           "Mamba state")
         lines.append(
             f"  D{p.local_rank}: sources {list(p.source_ranks)}  reads {reads}  notify-only {notify}  "
-            f"descriptors/block {plan.descriptors_per_block(p.local_rank)}"
+            f"descriptors/block {plan.descriptors_per_block(p.local_rank)}{mamba_descs}"
         )
         if p.mamba is not None:
             m = p.mamba
+            pieces = ", ".join(
+                f"{x.name} P{x.remote_rank}[{x.remote_offset}:{x.remote_offset + x.length}]->@{x.local_offset}"
+                for x in m.mamba_pieces
+            )
             lines.append(
                 f"       mamba: FA sources {list(m.fa_source_ranks)}, all sources {list(m.all_source_ranks)}, "
                 f"{m.num_fa_reads} FA / {m.num_mamba_reads} Mamba reads, FA desc {m.fa_descriptor_bytes} B, "
                 f"FA emptied for {list(m.fa_emptied_ranks) or '-'}"
+            )
+            lines.append(
+                f"       mamba state pieces (bytes within one layer's state page, "
+                f"{len(m.mamba_pieces)} x {plan.decode_layout.regions} regions = "
+                f"{plan.mamba_descriptors_per_request(p.local_rank)} descriptors/request): {pieces}"
             )
     lines.append("")
     lines.append("prefill ranks:")
