@@ -131,6 +131,57 @@ def test_plan_packed_layout_text_json_svg(tmp_path):
     assert texts.count("read 16384 B @0") == 4
 
 
+def test_plan_measured_block_bytes_larger_than_computed():
+    # padded pages: a prefill K block of 1 head x 16 tokens x 128 x 2 B = 4096 B measured as 4608,
+    # a decode K block of 4 heads (16384 B) as 16896; the reads still move only the heads
+    base = ["plan", "--prefill-tp", "8", "--decode-tp", "2", "--kv-heads", "8", "--json"]
+    computed = json.loads(run(*base).stdout)
+    out = run(*base, "--prefill-block-bytes", "4608", "--decode-block-bytes", "16896")
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert doc["prefill"]["region_block_bytes"] == doc["prefill"]["element_bytes"] == 4608
+    assert doc["decode"]["region_block_bytes"] == doc["decode"]["element_bytes"] == 16896
+    assert computed["prefill"]["region_block_bytes"] == 4096
+    assert computed["decode"]["region_block_bytes"] == 16384
+    assert doc["decode_ranks"] == computed["decode_ranks"]  # same reads, units and descriptors
+    assert doc["decode_ranks"][1]["reads"][0] == {
+        "prefill_rank": 4, "remote_offset": 0, "length": 4096, "local_offset": 0}
+    # blocks-first: the measured page holds K then V, each half of it
+    out = run(*base, "--layout", "blocks-first", "--decode-block-bytes", str(2 * 16384 + 1024))
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["decode"]["element_bytes"] == 16384 + 512
+    # the text report takes them too
+    out = run("plan", "--prefill-tp", "8", "--decode-tp", "2", "--kv-heads", "8",
+              "--prefill-block-bytes", "4608")
+    assert out.returncode == 0 and "D1: sources [4, 5, 6, 7]" in out.stdout
+
+
+@pytest.mark.parametrize(
+    "flag, value, needle",
+    [
+        ("--prefill-block-bytes", "4000",
+         "engine 'prefill': measured block_bytes 4000 is smaller than the 4096 bytes"),
+        ("--decode-block-bytes", "16383",
+         "engine 'decode': measured block_bytes 16383 is smaller than the 16384 bytes"),
+        ("--decode-block-bytes", "0", "block_bytes must be a positive integer"),
+    ],
+)
+def test_plan_inconsistent_block_bytes_exit_2(flag, value, needle):
+    out = run("plan", "--prefill-tp", "8", "--decode-tp", "2", "--kv-heads", "8", flag, value)
+    assert out.returncode == 2 and out.stdout == ""
+    assert needle in out.stderr and "Traceback" not in out.stderr
+
+
+def test_plan_block_bytes_that_do_not_halve_into_k_and_v_exit_2():
+    out = run("plan", "--prefill-tp", "8", "--decode-tp", "2", "--kv-heads", "8", "--layout",
+              "blocks-first", "--decode-block-bytes", str(2 * 16384 + 1))
+    assert out.returncode == 2
+    assert "block_bytes 32769 does not split into 2 equal K/V halves" in out.stderr
+    out = run("plan", "--prefill-tp", "8", "--decode-tp", "2", "--kv-heads", "8",
+              "--prefill-block-bytes", "lots")
+    assert out.returncode == 2 and "invalid int value: 'lots'" in out.stderr
+
+
 @pytest.mark.parametrize(
     "args, needle",
     [
