@@ -223,7 +223,8 @@ def packed_cases(draw) -> Case:
 def larger_remote_hnd_cases(draw) -> Case:
     """Prefill kernel blocks larger than the decode ones, several heads per prefill rank, HND
     on the prefill side: every unit is read head by head. TP splits both ways, kernel splits
-    on either side, both per-layer layouts drawn per side, prefix hits, padding."""
+    on either side, both per-layer layouts drawn per side or a cross-layer cache on both,
+    prefix hits, padding."""
     K = draw(st.sampled_from([2, 4, 8]))
     p_tp = draw(st.sampled_from([t for t in _tps(K) if K // t >= 2]))
     fewer = [t for t in _tps(K) if t < p_tp]  # decode TP below prefill TP: several sources
@@ -234,16 +235,18 @@ def larger_remote_hnd_cases(draw) -> Case:
     tokens = draw(st.integers(1, 30))
     d_block = d_kb * d_kernel
     d_blocks = -(-tokens // d_block)
+    # a cross-layer cache on both sides (one side only cannot have a block-size mismatch)
+    cross = draw(st.sampled_from([False, False, False, True]))
+    layouts = [Layout.BLOCKS_FIRST] if cross else [Layout.KV_FIRST, Layout.BLOCKS_FIRST]
     return Case(
         K=K, p_tp=p_tp, d_tp=d_tp, layers=draw(st.sampled_from([1, 2])),
-        head_dim=draw(st.sampled_from([1, 2])),
-        p_layout=draw(st.sampled_from([Layout.KV_FIRST, Layout.BLOCKS_FIRST])),
-        d_layout=draw(st.sampled_from([Layout.KV_FIRST, Layout.BLOCKS_FIRST])),
+        head_dim=draw(st.sampled_from([1, 2])), cross_layer=cross,
+        p_layout=draw(st.sampled_from(layouts)), d_layout=draw(st.sampled_from(layouts)),
         p_order=H, d_order=draw(st.sampled_from([H, N])),
         p_block=p_kb * p_kernel, d_block=d_block, p_kernel=p_kernel, d_kernel=d_kernel,
         tokens=tokens, skip_blocks=draw(st.integers(0, d_blocks)) if draw(st.booleans()) else 0,
         strided=draw(st.booleans()), seed=draw(st.integers(0, 2**16)),
-        pad_words=draw(st.sampled_from([0, 0, 1])),
+        pad_words=0 if cross else draw(st.sampled_from([0, 0, 1])),
     )
 
 
@@ -254,6 +257,7 @@ def test_oracle_grid_larger_remote_hnd_blocks(case):
     assert stats["per_head"], "the case should read larger remote HND blocks head by head"
     event(f"tp={'down' if case.p_tp > case.d_tp else 'up' if case.p_tp < case.d_tp else 'equal'}")
     event(f"kernel_split={(case.p_kernel, case.d_kernel) != (1, 1)}")
+    event(f"cross_layer={case.cross_layer}")
     event(f"prefix_hit={case.skip_blocks > 0}")
     event(f"post_process={stats['post']}")
 
