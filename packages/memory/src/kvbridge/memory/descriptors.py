@@ -11,9 +11,9 @@ attention, or one (region, Mamba piece) for hybrid models; it stands for one
 descriptor per block, ``stride`` bytes apart. Within an element, unit ``u`` of a
 read sits at ``offset + u * unit step``: the local step is ``local_unit_bytes``,
 the remote step ``RankPlan.remote_unit_stride`` (one head's unit bytes when a
-larger remote HND block holding several heads is read head by head). Descriptor ``start(row) + b`` is
-block ``b`` of ``row`` (kernel block for attention, page for Mamba), so
-consecutive blocks are consecutive indices. The strided ``N x 5`` form is the
+larger remote HND block holding several heads is read head by head).
+Descriptor ``start(row) + b`` is block ``b`` of ``row`` (kernel block for
+attention, page for Mamba), so consecutive blocks are consecutive indices. The strided ``N x 5`` form is the
 row table itself: O(rows) = O(regions x reads x units), independent of the
 number of blocks.
 """
