@@ -76,6 +76,10 @@ class Case:
     #: order's logical view of the same memory; "flat": [blocks, block numel])
     packed_inner: str = "kv-rows"
     packed_view: str = "4d"
+    #: int32 words of padding at the end of every kernel block (every kernel-block slice of a
+    #: Mamba page), like allocators that round pages up; not for cross-layer caches. The
+    #: engine description stays the computed one (a Mamba page's block_bytes includes it).
+    pad_words: int = 0
 
     def side_layout(self, side: str) -> Layout:
         own = self.p_layout if side == "p" else self.d_layout
@@ -115,7 +119,7 @@ class Case:
         heads = max(1, self.K // tp)
         attn_kernel = 2 * heads * (bs // n) * self.head_dim * 4
         state = mamba_rank_bytes(self.mamba, tp)
-        per_kernel = max(attn_kernel, _align(-(-state // n)))
+        per_kernel = max(attn_kernel, _align(-(-state // n))) + 4 * self.pad_words
         return per_kernel * n
 
 
@@ -186,6 +190,8 @@ def build_rank(case: Case, spec: EngineSpec, rank: int, num_blocks: int, fill: i
         r.arena = arena.view(torch.uint8)
         return r
     if spec.cross_layer:
+        if case.pad_words:
+            raise ValueError("the oracle pads kernel blocks of per-layer caches only")
         arena = torch.full((nbk * L * kinds * elem_numel,), fill, dtype=torch.int32, device=case.device)
         big = arena.view((nbk, L, kinds) + elem_shape)
         r.caches.append(big.squeeze(2) if spec.use_mla else big)
@@ -197,15 +203,21 @@ def build_rank(case: Case, spec: EngineSpec, rank: int, num_blocks: int, fill: i
                 r.attn.append(_canonical_view(mem, spec, kinds_first=False))
         r.arena = arena.view(torch.uint8)
         return r
-    per_layer = kinds * nbk * elem_numel
+    pad = case.pad_words
+    # one kernel block: its elements (K and V, the latent, or one packed K+V element), then pad
+    # words; kv-first keeps K and V in separate halves, each [blocks, element + pad]
+    per_block = (elem_numel + pad) if spec.separate_kv_regions or spec.use_mla else (
+        kinds * elem_numel + pad)
+    per_layer = (2 if spec.separate_kv_regions else 1) * nbk * per_block
     arena = torch.full((L * per_layer,), fill, dtype=torch.int32, device=case.device)
     if spec.is_packed:
         for layer in range(L):
             flat = arena[layer * per_layer:(layer + 1) * per_layer]
-            canon, logical = _packed_views(case, spec, flat, nbk, h, kbs, D)
+            blocks = flat.view(nbk, per_block)[:, :2 * elem_numel]
+            canon, logical = _packed_views(case, spec, blocks, h, kbs, D)
             r.attn.append(canon)
             if case.packed_view == "flat":
-                r.caches.append(flat.view(nbk, -1))
+                r.caches.append(blocks)
             elif case.packed_view == "permuted":
                 r.caches.append(logical.transpose(1, 2))
             else:
@@ -215,34 +227,35 @@ def build_rank(case: Case, spec: EngineSpec, rank: int, num_blocks: int, fill: i
     for layer in range(L):
         flat = arena[layer * per_layer:(layer + 1) * per_layer]
         if spec.use_mla:
-            mem = flat.view((nbk,) + elem_shape)
+            mem = flat.view(nbk, per_block)[:, :elem_numel].unflatten(1, elem_shape)
             r.attn.append(_canonical_view(mem, spec, True))
         elif spec.layout is Layout.KV_FIRST:
-            mem = flat.view((2, nbk) + elem_shape)
+            mem = flat.view(2, nbk, per_block)[:, :, :elem_numel].unflatten(2, elem_shape)
             r.attn.append(_canonical_view(mem, spec, True))
         else:
-            mem = flat.view((nbk, 2) + elem_shape)
+            mem = flat.view(nbk, per_block)[:, :2 * elem_numel].unflatten(1, (2,) + elem_shape)
             r.attn.append(_canonical_view(mem, spec, False))
         r.caches.append(mem)
     r.arena = arena.view(torch.uint8)
     return r
 
 
-def _packed_views(case: Case, spec: EngineSpec, flat: torch.Tensor, nbk: int, h: int, kbs: int,
+def _packed_views(case: Case, spec: EngineSpec, blocks: torch.Tensor, h: int, kbs: int,
                   D: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(canonical [2, NBk, kbs, h, D] view, vLLM-style logical tensor) of one packed layer."""
+    """(canonical [2, NBk, kbs, h, D] view, vLLM-style logical tensor) of one packed layer;
+    ``blocks`` is ``[NBk, block words]`` (block rows may be padded apart)."""
     if spec.head_order is HeadOrder.NHD:
-        mem = flat.view(nbk, kbs, h, 2, D)  # per token, per head: K | V
-        return mem.permute(3, 0, 1, 2, 4), flat.view(nbk, kbs, h, 2 * D)
+        mem = blocks.unflatten(1, (kbs, h, 2, D))  # per token, per head: K | V
+        return mem.permute(3, 0, 1, 2, 4), blocks.unflatten(1, (kbs, h, 2 * D))
     if case.packed_inner == "kv-rows":
-        mem = flat.view(nbk, h, 2, kbs, D)  # per head: K rows, then V rows
+        mem = blocks.unflatten(1, (h, 2, kbs, D))  # per head: K rows, then V rows
         canon = mem.permute(2, 0, 3, 1, 4)
     elif case.packed_inner == "token-kv":
-        mem = flat.view(nbk, h, kbs, 2, D)  # per head, per token: K | V
+        mem = blocks.unflatten(1, (h, kbs, 2, D))  # per head, per token: K | V
         canon = mem.permute(3, 0, 2, 1, 4)
     else:
         raise ValueError(f"unknown packed_inner {case.packed_inner!r}")
-    return canon, flat.view(nbk, h, kbs, 2 * D)
+    return canon, blocks.unflatten(1, (h, kbs, 2 * D))
 
 
 def _contig(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -389,7 +402,8 @@ def run_case(case: Case) -> dict:
         assert geo == geo_local, "handshake geometry differs from the peer's own geometry"
         prefill.append((r, geo))
 
-    stats = {"descs": 0, "rows": 0, "post": plan.post_process.needed}
+    stats = {"descs": 0, "rows": 0, "post": plan.post_process.needed,
+             "per_head": any(p.reads_per_head for p in plan.decode_ranks)}
     if d_spec.is_packed or p_spec.is_packed:
         assert d_spec.is_packed and p_spec.is_packed, "topology planned a packed/unpacked pair"
         assert not plan.post_process.needed, "a packed pair must never need post-processing"
@@ -401,6 +415,7 @@ def run_case(case: Case) -> dict:
         rp = plan.decode_ranks[d]
         written = np.zeros(loc.arena.numel(), dtype=np.int64)
         base_l = loc.arena.data_ptr()
+        mamba_descs = mamba_bytes = 0
         for q in rp.handshake_ranks:
             prank, rgeo = prefill[q]
             rd = rank_descriptors(rp, q, lgeo, rgeo)
@@ -415,6 +430,8 @@ def run_case(case: Case) -> dict:
             li, ri = rd.indices(d_ids, p_ids, local_skip_blocks=skip)
             if case.mamba:
                 mli, mri = rd.indices(d_pages, p_pages, group="mamba")
+                mamba_descs += len(mli)
+                mamba_bytes += int(_addresses(rd, mli, "local", case.strided)[1].sum())
                 li, ri = np.concatenate([li, mli]), np.concatenate([ri, mri])
             assert li.dtype == np.int32 and ri.dtype == np.int32 and len(li) == len(ri)
             if len(li) == 0:
@@ -425,6 +442,9 @@ def run_case(case: Case) -> dict:
             copy_bytes(loc.arena, la - base_l, prank.arena, ra - prank.arena.data_ptr(), ll, written)
             stats["descs"] += len(li)
         assert written.max(initial=0) <= 1, "some local bytes were written twice"
+        # what `kvbridge plan` reports for the Mamba state is what the descriptors move
+        assert mamba_descs == plan.mamba_descriptors_per_request(d) * len(d_pages)
+        assert mamba_bytes == plan.mamba_bytes_per_request(d) * len(d_pages)
         post_process(regs, d_ids, plan.post_process, d_spec)
 
         # expected: an untouched copy of this rank's cache with the true values filled in
@@ -448,7 +468,33 @@ def run_case(case: Case) -> dict:
                 for name, a, b in (("conv", loc.conv, exp.conv), ("ssm", loc.ssm, exp.ssm)):
                     assert torch.equal(a[layer][keep].cpu(), b[layer][keep].cpu()), (
                         f"decode rank {d} layer {layer}: wrong {name} state")
-        # bytes outside every element/state view (padding) must be untouched, too
-        if case.mamba is None and not case.cross_layer:
-            pass  # the canonical views cover the whole arena
+        # nothing outside the request may change or be written: not the other blocks and pages,
+        # not the padding past the elements (no view above covers it), and not the attention
+        # part of the Mamba pages
+        allowed = request_bytes(case, d_spec, d, NBd, d_ids, d_pages)
+        changed = (loc.arena != before).cpu().numpy()
+        for what, bad in (("changed", changed & ~allowed), ("written", (written > 0) & ~allowed)):
+            if bad.any():
+                where = np.flatnonzero(bad)
+                raise AssertionError(
+                    f"decode rank {d}: {len(where)} bytes outside the request's elements and "
+                    f"state were {what}, first at arena bytes {where[:5].tolist()}")
+        stats["outside_bytes"] = stats.get("outside_bytes", 0) + int((~allowed).sum())
     return stats
+
+
+def request_bytes(case: Case, spec: EngineSpec, rank: int, num_blocks: int, ids: list[int],
+                  pages: list[int]) -> np.ndarray:
+    """Bool mask over a decode rank's arena bytes: the elements (every token slot) of the
+    request's kernel blocks, and the conv and SSM state of its Mamba pages."""
+    probe = build_rank(case, spec, rank, num_blocks, 0)
+    n = spec.kernel_blocks_per_block
+    kids = torch.as_tensor([b * n + k for b in ids for k in range(n)], dtype=torch.long,
+                           device=probe.arena.device)
+    for att in probe.attn:
+        att[:, kids] = 1
+    for states in (probe.conv, probe.ssm):
+        for t in states:
+            t[pages] = 1
+    words = probe.arena.view(torch.int32) != 0
+    return words.repeat_interleave(4).cpu().numpy()

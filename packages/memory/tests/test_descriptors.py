@@ -158,3 +158,44 @@ def test_bad_ids_and_peers_are_refused():
     assert len(rank_descriptors(plan, 0, lg, bf).remote_rows) > 0  # roles known: pairs
     with pytest.raises(MemoryLayoutError, match="same KV-cache layout"):
         rank_descriptors(plan, 0, lg, replace(bf, element_roles=()))
+
+
+def test_larger_remote_hnd_blocks_are_read_per_head_at_the_unit_stride():
+    # P: TP 2, 4 heads per rank, 32-token blocks [4, 32, 4] bf16; D: TP 4, 2 heads, 16 tokens.
+    # Unit u (16 tokens) of P head h sits at h * 32 rows + u * 16 rows of the P element.
+    loc, rem = spec("d", 4, 16), spec("p", 2, 32)
+    row = 4 * 2  # head_dim 4 x bf16
+    lg, rg = geo(loc, 10, 1 << 20), geo(rem, 6, 1 << 32)
+    plan = plan_rank(loc, rem, 1)  # heads 2 and 3 = positions 2, 3 of P0
+    assert plan.remote_unit_stride == 16 * row and plan.reads_per_head
+    rd = rank_descriptors(plan, 0, lg, rg)
+    assert (rd.local_units, rd.remote_units) == (1, 2)
+    rows = rd.remote_descs(strided=True)
+    assert len(rows) == 6 * 2 * 2  # regions x reads (one per head) x units
+    got = rows[:4, 0].astype(np.int64) - rg.base_addrs[0]
+    # (head 2, unit 0), (head 2, unit 1), (head 3, unit 0), (head 3, unit 1)
+    assert got.tolist() == [2 * 32 * row, 2 * 32 * row + 16 * row, 3 * 32 * row, 3 * 32 * row + 16 * row]
+    assert (rows[:, 1] == 16 * row).all()
+    local = rd.local_descs(strided=True)
+    assert (local[:2, 0].astype(np.int64) - lg.base_addrs[0]).tolist() == [0, 16 * row]
+    # decode block b (tokens 16b..16b+15) pairs with unit b % 2 of P block b // 2
+    li, ri = rd.indices([7, 3, 5], [4, 1])
+    flat_r = rd.remote_descs()
+    flat_l = rd.local_descs()
+    first = [(int(flat_l[i, 0]) - lg.base_addrs[0], int(flat_r[j, 0]) - rg.base_addrs[0])
+             for i, j in zip(li[:3].tolist(), ri[:3].tolist(), strict=True)]
+    blen_l, blen_r = lg.block_strides[0], rg.block_strides[0]
+    assert sorted(first) == sorted([
+        (7 * blen_l, 4 * blen_r + 2 * 32 * row),
+        (3 * blen_l, 4 * blen_r + 2 * 32 * row + 16 * row),
+        (5 * blen_l, 1 * blen_r + 2 * 32 * row),
+    ])
+
+
+def test_a_stride_that_leaves_the_remote_element_is_refused():
+    loc, rem = spec("d", 4, 16), spec("p", 2, 32)
+    lg, rg = geo(loc, 10, 1 << 20), geo(rem, 6, 1 << 32)
+    plan = plan_rank(loc, rem, 1)
+    bad = replace(plan, remote_unit_stride=plan.remote_unit_bytes)
+    with pytest.raises(MemoryLayoutError, match="plan does not match this cache"):
+        rank_descriptors(bad, 0, lg, rg)

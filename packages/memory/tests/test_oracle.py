@@ -39,6 +39,38 @@ PINNED = {
                                           d_block=8, tokens=21),
     "larger_remote_blocks_nhd": Case(K=4, p_tp=2, d_tp=2, p_block=8, d_block=4, p_order=N,
                                      d_order=N),
+    # larger prefill (kernel) blocks holding several heads in HND: read head by head
+    "larger_remote_blocks_hnd_tp4_to_tp2": Case(K=8, p_tp=4, d_tp=2, p_block=8, d_block=4),
+    "larger_remote_blocks_hnd_tp2_to_tp4": Case(K=8, p_tp=2, d_tp=4, p_block=8, d_block=2,
+                                                tokens=21, strided=True),
+    "larger_remote_blocks_hnd_same_tp_prefix_hit": Case(K=4, p_tp=1, d_tp=1, p_block=8,
+                                                        d_block=2, skip_blocks=3, tokens=19),
+    "larger_remote_blocks_hnd_tp_up_prefix_hit": Case(K=8, p_tp=2, d_tp=8, p_block=8, d_block=4,
+                                                      skip_blocks=2, tokens=23, strided=True),
+    "larger_remote_blocks_hnd_to_nhd": Case(K=8, p_tp=2, d_tp=2, p_block=8, d_block=4,
+                                            d_order=N, layout=Layout.BLOCKS_FIRST),
+    "larger_remote_blocks_hnd_local_kernel_split": Case(K=8, p_tp=4, d_tp=2, p_block=8,
+                                                        d_block=8, d_kernel=2, skip_blocks=1,
+                                                        tokens=21),
+    "larger_remote_blocks_hnd_kernel_split_both": Case(K=4, p_tp=1, d_tp=2, p_block=16,
+                                                       p_kernel=2, d_block=4, d_kernel=2,
+                                                       skip_blocks=2, tokens=22, strided=True),
+    "larger_remote_blocks_hnd_non_dividing_tp": Case(K=6, p_tp=2, d_tp=3, p_block=4, d_block=2),
+    "larger_remote_blocks_hnd_mixed_layouts": Case(K=4, p_tp=2, d_tp=1, p_block=8, d_block=2,
+                                                   p_layout=Layout.KV_FIRST,
+                                                   d_layout=Layout.BLOCKS_FIRST, skip_blocks=1),
+    "larger_remote_blocks_hnd_cross_layer": Case(K=4, p_tp=1, d_tp=2, p_block=8, d_block=4,
+                                                 layout=Layout.BLOCKS_FIRST, cross_layer=True),
+    # kernel blocks (Mamba pages) padded past their elements: padding must stay untouched
+    "padded_blocks_kv_first": Case(K=4, p_tp=1, d_tp=1, pad_words=2),
+    "padded_blocks_first_tp_split": Case(K=8, p_tp=2, d_tp=4, layout=Layout.BLOCKS_FIRST,
+                                         pad_words=3, d_kernel=2, d_block=8, p_block=4),
+    "padded_larger_remote_blocks_hnd": Case(K=8, p_tp=4, d_tp=2, p_block=8, d_block=4,
+                                            pad_words=1, skip_blocks=1, strided=True),
+    "padded_mla": Case(K=1, p_tp=2, d_tp=1, mla=True, head_dim=4, pad_words=5),
+    "padded_packed": Case(K=4, p_tp=2, d_tp=4, layout=P, pad_words=2, packed_view="flat"),
+    "padded_mamba_pages": Case(K=4, p_tp=2, d_tp=4, layout=Layout.BLOCKS_FIRST, mamba=_mamba(),
+                               pad_words=4),
     "kernel_split_both": Case(K=4, p_tp=2, d_tp=4, p_kernel=2, d_kernel=2, p_block=8, d_block=8),
     "kernel_split_local_only": Case(K=4, p_tp=4, d_tp=2, d_kernel=2, p_block=4, d_block=8),
     "prefix_hit": Case(K=4, p_tp=2, d_tp=4, skip_blocks=2, tokens=17),
@@ -146,6 +178,7 @@ def cases(draw) -> Case:
         skip_blocks=draw(st.integers(0, d_blocks)) if draw(st.booleans()) else 0,
         mamba_remote_pages=draw(st.integers(1, 2)), mamba_local_pages=1,
         strided=draw(st.booleans()), seed=draw(st.integers(0, 2**16)),
+        pad_words=0 if kind == "cross" else draw(st.sampled_from([0, 0, 1, 3])),
     )
     try:
         plan_transfer(kernel_spec(case.spec("p")), kernel_spec(case.spec("d")))
@@ -175,6 +208,7 @@ def packed_cases(draw) -> Case:
         strided=draw(st.booleans()), seed=draw(st.integers(0, 2**16)),
         packed_inner=draw(st.sampled_from(["kv-rows", "token-kv"])),
         packed_view=draw(st.sampled_from(["4d", "permuted", "flat"])),
+        pad_words=draw(st.sampled_from([0, 0, 2])),
     )
     try:
         plan_transfer(kernel_spec(case.spec("p")), kernel_spec(case.spec("d")))
@@ -183,6 +217,49 @@ def packed_cases(draw) -> Case:
         assert order is N and "HND" in str(exc), exc
         assume(False)
     return case
+
+
+@st.composite
+def larger_remote_hnd_cases(draw) -> Case:
+    """Prefill kernel blocks larger than the decode ones, several heads per prefill rank, HND
+    on the prefill side: every unit is read head by head. TP splits both ways, kernel splits
+    on either side, both per-layer layouts drawn per side or a cross-layer cache on both,
+    prefix hits, padding."""
+    K = draw(st.sampled_from([2, 4, 8]))
+    p_tp = draw(st.sampled_from([t for t in _tps(K) if K // t >= 2]))
+    fewer = [t for t in _tps(K) if t < p_tp]  # decode TP below prefill TP: several sources
+    d_tp = draw(st.sampled_from(fewer if fewer and draw(st.booleans()) else _tps(K)))
+    p_kb = draw(st.sampled_from([2, 4, 8]))
+    d_kb = draw(st.sampled_from([t for t in (1, 2, 4) if t < p_kb and p_kb % t == 0]))
+    p_kernel, d_kernel = draw(st.sampled_from([1, 2])), draw(st.sampled_from([1, 2, 4]))
+    tokens = draw(st.integers(1, 30))
+    d_block = d_kb * d_kernel
+    d_blocks = -(-tokens // d_block)
+    # a cross-layer cache on both sides (one side only cannot have a block-size mismatch)
+    cross = draw(st.sampled_from([False, False, False, True]))
+    layouts = [Layout.BLOCKS_FIRST] if cross else [Layout.KV_FIRST, Layout.BLOCKS_FIRST]
+    return Case(
+        K=K, p_tp=p_tp, d_tp=d_tp, layers=draw(st.sampled_from([1, 2])),
+        head_dim=draw(st.sampled_from([1, 2])), cross_layer=cross,
+        p_layout=draw(st.sampled_from(layouts)), d_layout=draw(st.sampled_from(layouts)),
+        p_order=H, d_order=draw(st.sampled_from([H, N])),
+        p_block=p_kb * p_kernel, d_block=d_block, p_kernel=p_kernel, d_kernel=d_kernel,
+        tokens=tokens, skip_blocks=draw(st.integers(0, d_blocks)) if draw(st.booleans()) else 0,
+        strided=draw(st.booleans()), seed=draw(st.integers(0, 2**16)),
+        pad_words=0 if cross else draw(st.sampled_from([0, 0, 1])),
+    )
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(larger_remote_hnd_cases())
+def test_oracle_grid_larger_remote_hnd_blocks(case):
+    stats = run_case(case)
+    assert stats["per_head"], "the case should read larger remote HND blocks head by head"
+    event(f"tp={'down' if case.p_tp > case.d_tp else 'up' if case.p_tp < case.d_tp else 'equal'}")
+    event(f"kernel_split={(case.p_kernel, case.d_kernel) != (1, 1)}")
+    event(f"cross_layer={case.cross_layer}")
+    event(f"prefix_hit={case.skip_blocks > 0}")
+    event(f"post_process={stats['post']}")
 
 
 @settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.filter_too_much,
@@ -202,6 +279,8 @@ def test_oracle_grid(case):
     event(f"post_process={stats['post']}")
     event(f"block_ratio={case.p_block != case.d_block}")
     event(f"prefix_hit={case.skip_blocks > 0}")
+    event(f"padded={case.pad_words > 0}")
+    event(f"reads_per_head={stats['per_head']}")
 
 
 def test_oracle_catches_a_wrong_offset(monkeypatch):
@@ -248,6 +327,34 @@ def test_oracle_packed_arrangements_really_differ():
     assert torch.equal(arenas[0].sort().values, arenas[1].sort().values)
 
 
+def test_oracle_catches_contiguous_units_in_larger_remote_hnd_blocks(monkeypatch):
+    """A planner that took one unit of a larger HND prefill block holding several heads for one
+    byte range (the tokens of every head side by side) is caught."""
+    import kvbridge.topology.plan as plan_mod
+
+    monkeypatch.setattr(plan_mod, "_remote_units_cut_heads", lambda local, remote: False)
+    for name in ("larger_remote_blocks_hnd_tp4_to_tp2", "larger_remote_blocks_hnd_tp2_to_tp4"):
+        with pytest.raises(AssertionError):
+            run_case(PINNED[name])
+
+
+def test_oracle_catches_writes_into_padding(monkeypatch):
+    """Descriptors one word too long write only into the padding after each element: no
+    element view sees it, the untouched-bytes check does."""
+    real = descriptors.rank_descriptors
+
+    def longer(*args, **kwargs):
+        rd = real(*args, **kwargs)
+        rd.local_rows[:, 1] += np.uint64(4)
+        rd.remote_rows[:, 1] += np.uint64(4)
+        return rd
+
+    monkeypatch.setattr("oracle.rank_descriptors", longer)
+    for name in ("padded_blocks_kv_first", "padded_mla"):
+        with pytest.raises(AssertionError, match="outside the request's elements"):
+            run_case(PINNED[name])
+
+
 def test_oracle_catches_missing_post_process(monkeypatch):
     monkeypatch.setattr("oracle.post_process", lambda *a, **k: None)
     with pytest.raises(AssertionError):
@@ -261,3 +368,13 @@ def test_oracle_pinned_cuda(name):
     case = PINNED[name]
     case = Case(**{**case.__dict__, "device": "cuda"})
     run_case(case)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.filter_too_much,
+                                                                  HealthCheck.too_slow])
+@given(st.one_of(cases(), larger_remote_hnd_cases()))
+def test_oracle_grid_cuda(case):
+    """The hypothesis grid (fewer examples) with every rank's cache in CUDA memory."""
+    run_case(Case(**{**case.__dict__, "device": "cuda"}))

@@ -130,11 +130,66 @@ def test_non_divisible_tp_sizes_are_served_by_interval_reads():
     assert [q.notifications_per_request for q in plan.prefill_ranks] == [1, 2, 1]
 
 
+def test_block_size_ratio_names_say_their_direction():
+    bigger_decode = plan_transfer(llama70b("p", 1, block_size=16), llama70b("d", 1, block_size=64))
+    bigger_prefill = plan_transfer(llama70b("p", 1, block_size=32), llama70b("d", 1, block_size=16))
+    assert bigger_decode.block_size_ratio == 4
+    assert bigger_prefill.block_size_ratio == 2  # larger / smaller, whichever side
+    assert bigger_decode.decode_over_prefill_block_size == 4
+    assert type(bigger_decode.decode_over_prefill_block_size) is int
+    assert bigger_prefill.decode_over_prefill_block_size == 0.5
+    assert not hasattr(bigger_prefill, "signed_block_size_ratio")
+
+
 def test_block_size_mismatch_reads_in_units_of_the_smaller_block():
     plan = plan_transfer(llama70b("p", 1, block_size=16), llama70b("d", 1, block_size=64))
     assert plan.block_size_ratio == 4
     assert plan.rank(0).unit_tokens == 16
     assert plan.post_process.needed and plan.post_process.units_per_block == 4
+
+
+def test_larger_prefill_hnd_blocks_with_several_heads_are_read_head_by_head():
+    # kvbridge plan --prefill-tp 4 --decode-tp 2 --kv-heads 8 --prefill-block-size 32
+    #               --decode-block-size 16: a P kernel block is [2 heads, 32 tokens, 128] and a
+    # 16-token unit of one head is 4096 contiguous bytes, the heads 8192 bytes apart
+    plan = plan_transfer(llama70b("p", 4, block_size=32), llama70b("d", 2, block_size=16))
+    d1 = plan.rank(1)
+    assert d1.unit_tokens == 16 and d1.reads_per_head
+    assert d1.local_unit_bytes == 4 * HB and d1.remote_unit_bytes == 2 * HB
+    assert d1.remote_unit_stride == HB  # unit u of a head is at + u * 4096
+    assert d1.reads == (
+        ReadOp(2, 0, HB, 0), ReadOp(2, 2 * HB, HB, HB),  # P2's heads 4 and 5
+        ReadOp(3, 0, HB, 2 * HB), ReadOp(3, 2 * HB, HB, 3 * HB),  # P3's heads 6 and 7
+    )
+    assert plan.descriptors_per_block(1) == 80 * 2 * 4  # one decode block is one unit
+    assert not plan.post_process.needed  # lands as [heads, 16 tokens, dim] already
+    # D TP 1 from P TP 1, 32 -> 8 tokens: 8 heads each read on its own, 4 units per P block
+    plan = plan_transfer(llama70b("p", 1, block_size=32), llama70b("d", 1, block_size=8))
+    p0 = plan.rank(0)
+    hb8 = HB // 2
+    assert p0.remote_unit_stride == hb8 and p0.remote_unit_bytes == 8 * hb8
+    assert p0.reads == tuple(ReadOp(0, h * 4 * hb8, hb8, h * hb8) for h in range(8))
+    # NHD decode: the per-head units arrive HND and are rearranged on receive
+    plan = plan_transfer(llama70b("p", 2, block_size=32),
+                         llama70b("d", 2, block_size=16, head_order="NHD"))
+    assert plan.post_process.needed and plan.post_process.units_per_block == 1
+    # kernel splits: logical 32 on both sides, P kernel 32, D kernel 16
+    plan = plan_transfer(llama70b("p", 2, block_size=32),
+                         llama70b("d", 4, block_size=32, kernel_blocks_per_block=2))
+    # D3 holds heads 6, 7 = positions 2, 3 of P1, whose heads span 32 tokens (2 * HB) each
+    assert plan.rank(3).reads == (ReadOp(1, 4 * HB, HB, 0), ReadOp(1, 6 * HB, HB, HB))
+    assert plan.rank(3).remote_unit_stride == HB
+
+
+def test_other_block_size_shapes_keep_contiguous_units():
+    for p, d in (
+        (llama70b("p", 1, block_size=16), llama70b("d", 1, block_size=64)),  # local larger
+        (llama70b("p", 8, block_size=32), llama70b("d", 8, block_size=16)),  # one head per P rank
+        (llama70b("p", 2, block_size=32, head_order="NHD"),
+         llama70b("d", 2, block_size=16, head_order="NHD")),  # NHD: units are token ranges
+    ):
+        for r in plan_transfer(p, d).decode_ranks:
+            assert r.remote_unit_stride == r.remote_unit_bytes and not r.reads_per_head
 
 
 @pytest.mark.parametrize(
@@ -146,7 +201,6 @@ def test_block_size_mismatch_reads_in_units_of_the_smaller_block():
         (dict(tp=2, head_order="NHD"), dict(tp=1), "set its KV cache layout to HND"),
         (dict(tp=1, num_kv_heads=4), dict(tp=1), "num_kv_heads differs"),
         (dict(tp=1, dtype="fp8"), dict(tp=1), "kv-cache dtype"),
-        (dict(tp=1, block_size=32), dict(tp=1, block_size=16), "make the local block size >= the remote one"),
     ],
 )
 def test_invalid_pairs_say_what_to_change(prefill, decode, needle):

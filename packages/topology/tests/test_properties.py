@@ -50,7 +50,9 @@ def shapes(draw, mla: bool = False, mamba: bool = False):
     layout = Layout.BLOCKS_FIRST if mamba else draw(st.sampled_from(list(Layout)))
     if mla:
         layout = Layout.KV_FIRST
-    p_kernel = d_kernel = 1
+    # kernel splits on either side (logical blocks of 2 or 4 physical ones)
+    p_kernel = draw(st.sampled_from([1, 1, 2, 4]))
+    d_kernel = draw(st.sampled_from([1, 1, 2, 4]))
     p_order = d_order = HeadOrder.HND
     if layout is Layout.PACKED:
         # packed pairs need equal kernel (physical) block sizes and one head order; the
@@ -84,10 +86,7 @@ def _check_plan(prefill: EngineSpec, decode: EngineSpec) -> None:
             # while heads are not contiguous (NHD)
             assert prefill.head_order is HeadOrder.NHD and "HND" in str(exc), exc
             return
-        # The only refusal for valid single-engine shapes: larger remote HND blocks
-        # holding several heads (local tokens not contiguous remotely).
-        assert decode.block_size < prefill.block_size and prefill.heads_per_rank > 1, exc
-        return
+        raise AssertionError(f"a valid pair was refused: {exc}") from exc
     k = decode.kv_heads_for_placement
     unit_tokens = min(prefill.kernel_block_size, decode.kernel_block_size)
     # one head per token: head_dim values of K (or V), of K and V together when packed
@@ -99,19 +98,34 @@ def _check_plan(prefill: EngineSpec, decode: EngineSpec) -> None:
         # the layout is per logical block: kernel_blocks_per_block units of every head
         assert plan.decode_layout.element_bytes == (
             decode.heads_per_rank * uhb * decode.kernel_blocks_per_block)
+    # a remote HND kernel block [heads, T_r, dim] larger than the unit: one unit of one head
+    # is contiguous, heads are T_r rows apart, so each head is its own read
+    per_head = (prefill.kernel_block_size > unit_tokens and prefill.head_order is HeadOrder.HND
+                and prefill.heads_per_rank > 1 and not decode.use_mla)
+    remote_head = prefill.kernel_block_size * (uhb // unit_tokens)  # a head over a P kernel block
+    remote_units = prefill.kernel_block_size // unit_tokens
     sent: dict[int, int] = {}
     for p in plan.decode_ranks:
         mine = _heads(decode.tp_size, k, p.local_rank)
         assert p.local_unit_bytes == len(mine) * uhb
+        assert p.reads_per_head == per_head
+        assert p.remote_unit_stride == (uhb if per_head else p.remote_unit_bytes)
         got: list[int] = []
         for r in p.reads:
             theirs = _heads(prefill.tp_size, k, r.remote_rank)
             assert p.remote_unit_bytes == len(theirs) * uhb
             assert r.length > 0 and r.length % uhb == 0
-            assert 0 <= r.remote_offset and r.remote_offset + r.length <= p.remote_unit_bytes
             assert 0 <= r.local_offset and r.local_offset + r.length <= p.local_unit_bytes
-            n = r.length // uhb
-            carried = theirs[r.remote_offset // uhb : r.remote_offset // uhb + n]
+            # every unit's piece stays inside the remote kernel-block element
+            last = r.remote_offset + (remote_units - 1) * p.remote_unit_stride + r.length
+            assert 0 <= r.remote_offset and last <= remote_units * p.remote_unit_bytes
+            if per_head:
+                assert r.length == uhb and r.remote_offset % remote_head == 0
+                first, n = r.remote_offset // remote_head, 1
+            else:
+                assert r.remote_offset + r.length <= p.remote_unit_bytes
+                first, n = r.remote_offset // uhb, r.length // uhb
+            carried = theirs[first : first + n]
             slots = mine[r.local_offset // uhb : r.local_offset // uhb + n]
             assert carried == slots, (r, theirs, mine)
             got.extend(carried)
@@ -148,6 +162,10 @@ def _check_mamba(prefill: EngineSpec, decode: EngineSpec, plan) -> None:
         assert f.num_fa_reads == len(f.fa_source_ranks)
         assert set(f.fa_emptied_ranks) == set(f.all_source_ranks) - set(f.fa_source_ranks)
         assert f.needs_split_handles == (len(f.all_source_ranks) > 1)
+        assert [q for q, _ in f.fa_head_slots] == list(f.fa_source_ranks)
+        if p.reads_per_head:  # one attention descriptor carries one head
+            assert f.fa_descriptor_bytes == p.remote_unit_stride
+            assert all(r.length == f.fa_descriptor_bytes for r in p.reads)
         # every piece's local units must be the local rank's own units of that dimension
         for name, units, unit in (
             ("x", mm.ssm_heads, mm.ssm_head_dim * mm.conv_width * mm.conv_dtype_size),

@@ -8,9 +8,12 @@ by index (:meth:`RankDescriptors.indices`).
 
 Row model. A descriptor row is one (region, element, read, transfer unit) for
 attention, or one (region, Mamba piece) for hybrid models; it stands for one
-descriptor per block, ``stride`` bytes apart. Descriptor ``start(row) + b`` is
-block ``b`` of ``row`` (kernel block for attention, page for Mamba), so
-consecutive blocks are consecutive indices. The strided ``N x 5`` form is the
+descriptor per block, ``stride`` bytes apart. Within an element, unit ``u`` of a
+read sits at ``offset + u * unit step``: the local step is ``local_unit_bytes``,
+the remote step ``RankPlan.remote_unit_stride`` (one head's unit bytes when a
+larger remote HND block holding several heads is read head by head).
+Descriptor ``start(row) + b`` is block ``b`` of ``row`` (kernel block for
+attention, page for Mamba), so consecutive blocks are consecutive indices. The strided ``N x 5`` form is the
 row table itself: O(rows) = O(regions x reads x units), independent of the
 number of blocks.
 """
@@ -299,15 +302,20 @@ def rank_descriptors(
             f"({local.kernel_block_tokens}, {remote.kernel_block_tokens}); make the plan with "
             "kernel_spec() of both engines"
         )
-    for side, geo, units, ub in (("local", local, lu, plan.local_unit_bytes),
-                                 ("remote", remote, ru, plan.remote_unit_bytes)):
-        if units * ub > geo.element_bytes:
+    reads = plan.reads_from(remote_rank)
+    for side, geo, units, ub, step, offs in (
+        ("local", local, lu, plan.local_unit_bytes, plan.local_unit_bytes,
+         [r.local_offset for r in reads]),
+        ("remote", remote, ru, plan.remote_unit_bytes, plan.remote_unit_stride,
+         [r.remote_offset for r in reads]),
+    ):
+        end = max((o + r.length for o, r in zip(offs, reads, strict=True)), default=0)
+        if units * ub > geo.element_bytes or (units - 1) * step + end > geo.element_bytes:
             raise MemoryLayoutError(
                 f"{side} elements are {geo.element_bytes} bytes but the plan needs {units} units of "
                 f"{ub} bytes; the plan does not match this cache (plan on kernel_spec() of the "
                 "engines that own these regions)"
             )
-    reads = plan.reads_from(remote_rank)
     nreg, nrd = local.num_regions, len(reads)
     nroles = local.num_regions * local.elements_per_block
     # attention rows: (role, read, unit), unit fastest; roles in local region-major order
@@ -315,14 +323,14 @@ def rank_descriptors(
     r_read_off = np.array([r.remote_offset for r in reads], dtype=np.int64)
     lengths = np.array([r.length for r in reads], dtype=np.int64)
 
-    def attn(geo: RegionGeometry, order: np.ndarray, units: int, unit_bytes: int,
+    def attn(geo: RegionGeometry, order: np.ndarray, units: int, unit_step: int,
              read_off: np.ndarray) -> np.ndarray:
         nel = geo.elements_per_block
         role_base = (np.asarray(geo.base_addrs, dtype=np.int64)[:, None]
                      + np.asarray(geo.element_offsets, dtype=np.int64)[None, :]).reshape(-1)[order]
         role_stride = np.repeat(np.asarray(geo.kernel_strides, dtype=np.int64), nel)[order]
         roff = read_off[None, :, None]
-        uoff = (np.arange(units, dtype=np.int64) * unit_bytes)[None, None, :]
+        uoff = (np.arange(units, dtype=np.int64) * unit_step)[None, None, :]
         addr = (role_base[:, None, None] + roff + uoff).reshape(-1)
         shape = (nroles, nrd, units)
         length = np.broadcast_to(lengths[None, :, None], shape).reshape(-1)
@@ -331,7 +339,9 @@ def rank_descriptors(
 
     local_order = np.arange(nroles, dtype=np.int64)
     l_rows = [attn(local, local_order, lu, plan.local_unit_bytes, l_read_off)]
-    r_rows = [attn(remote, remote_role_order, ru, plan.remote_unit_bytes, r_read_off)]
+    # remote units are remote_unit_stride apart: remote_unit_bytes, or one head's unit bytes
+    # when larger remote HND blocks hold several heads (reads are then per head)
+    r_rows = [attn(remote, remote_role_order, ru, plan.remote_unit_stride, r_read_off)]
     mamba_rows = 0
     if plan.mamba is not None:
         pieces = [p for p in plan.mamba.mamba_pieces if p.remote_rank == remote_rank]

@@ -1,10 +1,22 @@
 """Transfer plans: which remote ranks a local rank reads, and which bytes go where.
 
 "local" is the side that plans (the decode engine in pull mode); "remote" is
-the other side (the prefill engine). Every read is expressed inside one
-*transfer unit*: one K or V element (or MLA latent, or packed K+V element) of a
-block of ``min(local block size, remote block size)`` tokens. A larger block is a run
-of ``block ratio`` consecutive units (see :mod:`kvbridge.topology.blocks`).
+the other side (the prefill engine). Reads are planned per *transfer unit*: one
+K or V element (or MLA latent, or packed K+V element) of ``unit_tokens``
+tokens, the smaller of the two sides' kernel (physical) block sizes; a logical
+block may be several kernel blocks (see :mod:`kvbridge.topology.blocks`), and
+the side with the larger kernel blocks holds ``kernel block size / unit_tokens``
+units per element.
+
+On the local side unit ``u`` of an element is the byte range
+``[u * local_unit_bytes, (u + 1) * local_unit_bytes)``. On the remote side a
+read's piece of unit ``u`` starts at ``remote_offset + u * remote_unit_stride``
+of the remote kernel-block element. ``remote_unit_stride`` equals
+``remote_unit_bytes`` (units are consecutive byte ranges) except when the
+remote kernel blocks are larger and hold several heads in HND order
+(``[heads, tokens, dim]``): then one unit's tokens are contiguous only within
+one head, so reads are one per head, ``remote_offset`` is the head's position
+in the whole remote element and the stride is one head's unit bytes.
 """
 
 from __future__ import annotations
@@ -38,7 +50,11 @@ def seed_handshake_ranks(local_tp: int, remote_tp: int, local_rank: int) -> tupl
 
 @dataclass(frozen=True)
 class ReadOp:
-    """Copy ``length`` bytes at ``remote_offset`` of a remote unit to ``local_offset`` locally."""
+    """Copy ``length`` bytes of every transfer unit from a remote rank to a local unit.
+
+    The piece of unit ``u`` is read at ``remote_offset + u * remote_unit_stride`` of the remote
+    kernel-block element (see :class:`RankPlan`) and lands at ``local_offset`` of the local unit.
+    """
 
     remote_rank: int
     remote_offset: int
@@ -114,9 +130,13 @@ class MambaFacts:
     all_source_ranks: tuple[int, ...]
     num_fa_reads: int
     num_mamba_reads: int
+    #: bytes of one attention descriptor (one head when ``RankPlan.reads_per_head``)
     fa_descriptor_bytes: int
+    #: remote offset of the first attention read when one remote rank is read, else 0
     fa_rank_offset: int
-    fa_head_slots: tuple[tuple[int, int], ...]  # (remote rank, slot in the local element)
+    #: (remote rank, slot of its first attention read in the local element, in
+    #: units of fa_descriptor_bytes), one per attention source rank
+    fa_head_slots: tuple[tuple[int, int], ...]
     needs_split_handles: bool
     remote_replicated: bool
     remote_physical_heads: int
@@ -133,7 +153,16 @@ class MambaFacts:
 
 @dataclass(frozen=True)
 class RankPlan:
-    """Plan of one local rank against one remote engine."""
+    """Plan of one local rank against one remote engine.
+
+    ``local_unit_bytes`` / ``remote_unit_bytes``: bytes of one transfer unit of one element on
+    each side (the rank's heads over ``unit_tokens`` tokens). ``remote_unit_stride``: bytes from
+    a read's piece of one unit to the same piece of the next unit inside a remote kernel-block
+    element. It is ``remote_unit_bytes`` (the default) unless the remote kernel blocks are larger
+    than the local ones and hold several heads in HND order: then the reads are one per head,
+    each ``remote_offset`` is the head's offset in the whole remote element
+    (``head x remote kernel tokens x row bytes``) and the stride is ``unit_tokens x row bytes``.
+    """
 
     local_rank: int
     tp_ratio: int | None
@@ -145,6 +174,18 @@ class RankPlan:
     local_unit_bytes: int
     remote_unit_bytes: int
     mamba: MambaFacts | None = None
+    remote_unit_stride: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.remote_unit_stride is None:
+            object.__setattr__(self, "remote_unit_stride", self.remote_unit_bytes)
+        elif self.remote_unit_stride <= 0:
+            raise TopologyError(f"remote_unit_stride must be positive, got {self.remote_unit_stride}")
+
+    @property
+    def reads_per_head(self) -> bool:
+        """True when the remote units are not contiguous (see ``remote_unit_stride``)."""
+        return self.remote_unit_stride != self.remote_unit_bytes
 
     def reads_from(self, remote_rank: int) -> tuple[ReadOp, ...]:
         return tuple(r for r in self.reads if r.remote_rank == remote_rank)
@@ -202,18 +243,6 @@ def check_compatible(local: EngineSpec, remote: EngineSpec) -> None:
         raise TopologyError(
             f"{where}: a cross-layer cache on one side only cannot be combined with a block-size "
             "mismatch; use equal block sizes"
-        )
-    if (
-        local.kernel_block_size < remote.kernel_block_size
-        and remote.head_order is HeadOrder.HND
-        and remote.heads_per_rank > 1
-        and not local.use_mla
-    ):
-        raise TopologyError(
-            f"{where}: the remote (kernel) blocks ({remote.kernel_block_size} tokens) are larger than "
-            f"the local ones ({local.kernel_block_size}) and hold {remote.heads_per_rank} heads in HND order, so a local "
-            "block's tokens are not contiguous there; make the local block size >= the remote one, "
-            "or use NHD on the remote side"
         )
 
 
@@ -276,6 +305,21 @@ def _unit_head_bytes(local: EngineSpec, remote: EngineSpec) -> int:
     return unit_tokens(local, remote) * local.head_token_bytes
 
 
+def _remote_units_cut_heads(local: EngineSpec, remote: EngineSpec) -> bool:
+    """True when a transfer unit is not one byte range of a remote element.
+
+    A remote HND kernel block ``[heads, T_r, dim]`` larger than the unit holds one unit's
+    tokens of one head contiguously, but the heads ``T_r`` token rows apart. (Packed caches
+    never get here: they need equal kernel block sizes.)
+    """
+    return (
+        remote.kernel_block_size > local.kernel_block_size
+        and remote.head_order is HeadOrder.HND
+        and remote.heads_per_rank > 1
+        and not local.use_mla
+    )
+
+
 def plan_rank(local: EngineSpec, remote: EngineSpec, local_rank: int) -> RankPlan:
     """The read plan of ``local_rank`` of ``local`` against every rank of ``remote``."""
     check_compatible(local, remote)
@@ -286,16 +330,30 @@ def plan_rank(local: EngineSpec, remote: EngineSpec, local_rank: int) -> RankPla
     heads = local.kv_heads_for_placement
     uhb = _unit_head_bytes(local, remote)
     runs = plan_dim(local.tp_size, remote.tp_size, heads, local_rank, preferred)
-    reads = tuple(
-        ReadOp(r.remote_rank, r.remote_start * uhb, r.count * uhb, r.local_start * uhb) for r in runs
-    )
     local_unit = local.heads_per_rank * uhb
     remote_unit = remote.heads_per_rank * uhb
+    if _remote_units_cut_heads(local, remote):
+        # one read per head: head h of the remote element starts at h * (its kernel tokens x
+        # row bytes); its unit u is uhb bytes at + u * uhb
+        remote_head = remote.kernel_block_size * remote.head_token_bytes
+        reads = tuple(
+            ReadOp(r.remote_rank, (r.remote_start + i) * remote_head, uhb, (r.local_start + i) * uhb)
+            for r in runs
+            for i in range(r.count)
+        )
+        stride = uhb
+    else:
+        reads = tuple(
+            ReadOp(r.remote_rank, r.remote_start * uhb, r.count * uhb, r.local_start * uhb)
+            for r in runs
+        )
+        stride = remote_unit
     fa_sources = _ordered_unique(r.remote_rank for r in reads)
     mamba = None
     sources = fa_sources
     if local.mamba is not None:
-        mamba = _mamba_facts(local, remote, local_rank, preferred, reads, fa_sources, uhb)
+        per_head = _remote_units_cut_heads(local, remote)
+        mamba = _mamba_facts(local, remote, local_rank, preferred, reads, fa_sources, uhb, per_head)
         sources = mamba.all_source_ranks
     handshake = preferred if preferred is not None else tuple(sorted(sources))
     missing = [q for q in sources if q not in handshake]
@@ -316,6 +374,7 @@ def plan_rank(local: EngineSpec, remote: EngineSpec, local_rank: int) -> RankPla
         local_unit_bytes=local_unit,
         remote_unit_bytes=remote_unit,
         mamba=mamba,
+        remote_unit_stride=stride,
     )
     _check_head_order(local, remote, plan)
     return plan
@@ -387,6 +446,7 @@ def _mamba_facts(
     fa_reads: tuple[ReadOp, ...],
     fa_sources: tuple[int, ...],
     uhb: int,
+    per_head: bool,
 ) -> MambaFacts:
     if local.mamba is None or remote.mamba is None:  # pragma: no cover - callers check
         raise TopologyError("not a Mamba hybrid")
@@ -418,9 +478,13 @@ def _mamba_facts(
     all_sources = _ordered_unique(list(fa_sources) + list(mamba_sources))
     if preferred is not None:
         all_sources = tuple(q for q in preferred if q in all_sources)
-    fa_bytes = min(local.heads_per_rank, remote.heads_per_rank) * uhb
-    fa_rank_offset = fa_reads[0].remote_offset if len(fa_reads) == 1 else 0
-    slots = tuple((r.remote_rank, r.local_offset // fa_bytes) for r in fa_reads)
+    # one attention descriptor: one head when heads are read one by one, else a source rank's part
+    fa_bytes = uhb if per_head else min(local.heads_per_rank, remote.heads_per_rank) * uhb
+    fa_rank_offset = fa_reads[0].remote_offset if len(fa_sources) == 1 else 0
+    first_read = {}
+    for r in fa_reads:
+        first_read.setdefault(r.remote_rank, r)
+    slots = tuple((q, r.local_offset // fa_bytes) for q, r in first_read.items())
     split: list[tuple[int, tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]]] = []
     for q in all_sources:
         fa = tuple((r.local_offset, r.length) for r in fa_reads if r.remote_rank == q)

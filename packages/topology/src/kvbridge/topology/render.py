@@ -32,10 +32,6 @@ def _engine_doc(spec) -> dict[str, Any]:
     }
 
 
-def _ratio_number(num: int, den: int) -> int | float:
-    return num // den if num % den == 0 else num / den
-
-
 def plan_to_json(plan: TransferPlan) -> dict[str, Any]:
     """The plan as a JSON-ready dict following docs/plan-schema.md (schema kvbridge.plan/1)."""
     decode_docs = []
@@ -57,6 +53,7 @@ def plan_to_json(plan: TransferPlan) -> dict[str, Any]:
             "unit_tokens": p.unit_tokens,
             "local_unit_bytes": p.local_unit_bytes,
             "remote_unit_bytes": p.remote_unit_bytes,
+            "remote_unit_stride": p.remote_unit_stride,
             "descriptors_per_block": plan.descriptors_per_block(p.local_rank),
         }
         m = p.mamba
@@ -73,6 +70,8 @@ def plan_to_json(plan: TransferPlan) -> dict[str, Any]:
                 remote_replicated=m.remote_replicated,
                 remote_physical_heads=m.remote_physical_heads,
                 fa_emptied_ranks=list(m.fa_emptied_ranks),
+                mamba_descriptors_per_request=plan.mamba_descriptors_per_request(p.local_rank),
+                mamba_state_bytes_per_request=plan.mamba_bytes_per_request(p.local_rank),
                 mamba_pieces=[
                     {
                         "piece": x.name,
@@ -91,7 +90,7 @@ def plan_to_json(plan: TransferPlan) -> dict[str, Any]:
         "prefill": _engine_doc(plan.prefill),
         "decode": _engine_doc(plan.decode),
         "tp_ratio": plan.tp_ratio,
-        "block_size_ratio": _ratio_number(plan.decode.block_size, plan.prefill.block_size),
+        "block_size_ratio": plan.decode_over_prefill_block_size,
         "unit_tokens": min(plan.decode.kernel_block_size, plan.prefill.kernel_block_size),
         "decode_ranks": decode_docs,
         "prefill_ranks": [
@@ -143,33 +142,63 @@ def plan_to_text(plan: TransferPlan) -> str:
     ratio = "n/a (general interval reads)" if plan.tp_ratio is None else str(plan.tp_ratio)
     lines.append(
         f"model:   {D.num_kv_heads} KV heads x {D.head_dim}, {D.num_layers} layers, {D.dtype}; "
-        f"TP ratio {ratio}; block-size ratio {_ratio_number(D.block_size, P.block_size)}"
+        f"TP ratio {ratio}; block-size ratio (decode/prefill) {plan.decode_over_prefill_block_size}"
     )
     unit = min(P.kernel_block_size, D.kernel_block_size)
     lines.append(
         f"moved:   {_human(D.bytes_per_token)} per token per decode rank, "
         f"{_human(D.bytes_per_token * D.tp_size)} per token in all; "
         f"{_human(D.bytes_per_token * D.block_size)} per decode block per rank"
+        + (" (attention KV)" if D.mamba else "")
     )
+    if D.mamba is not None:
+        state = [plan.mamba_bytes_per_request(p.local_rank) for p in plan.decode_ranks]
+        lines.append(
+            f"         + Mamba-2 state (conv x/B/C + SSM, one state page per request in each of "
+            f"{plan.decode_layout.regions} layer regions): {_human(max(state))} per request per "
+            f"decode rank, {_human(sum(state))} per request in all"
+        )
     lines.append("")
     element = "packed K+V element" if D.is_packed else "K/V element"
-    lines.append(f"decode ranks (offsets in bytes within one {element} of a {unit}-token unit):")
+    per_head = [p for p in plan.decode_ranks if p.reads_per_head]
+    if per_head:
+        lines.append(
+            f"decode ranks (local offsets in bytes within one {element} of a {unit}-token unit; "
+            f"prefill kernel blocks of {P.kernel_block_size} tokens hold {P.heads_per_rank} heads "
+            f"in HND order, so heads are read one by one: prefill offsets are within one "
+            f"{P.kernel_block_size}-token {element}, unit u at +u x {per_head[0].remote_unit_stride} B):"
+        )
+    else:
+        lines.append(f"decode ranks (offsets in bytes within one {element} of a {unit}-token unit):")
     for p in plan.decode_ranks:
         reads = ", ".join(
             f"P{r.remote_rank}[{r.remote_offset}:{r.remote_offset + r.length}]->@{r.local_offset}"
             for r in p.reads
         )
         notify = ", ".join(f"P{q}" for q in p.notify_only_ranks) or "-"
+        mamba_descs = ""
+        if p.mamba is not None:
+            mamba_descs = (f" attention + {plan.mamba_descriptors_per_request(p.local_rank)}/request "
+                           "Mamba state")
         lines.append(
             f"  D{p.local_rank}: sources {list(p.source_ranks)}  reads {reads}  notify-only {notify}  "
-            f"descriptors/block {plan.descriptors_per_block(p.local_rank)}"
+            f"descriptors/block {plan.descriptors_per_block(p.local_rank)}{mamba_descs}"
         )
         if p.mamba is not None:
             m = p.mamba
+            pieces = ", ".join(
+                f"{x.name} P{x.remote_rank}[{x.remote_offset}:{x.remote_offset + x.length}]->@{x.local_offset}"
+                for x in m.mamba_pieces
+            )
             lines.append(
                 f"       mamba: FA sources {list(m.fa_source_ranks)}, all sources {list(m.all_source_ranks)}, "
                 f"{m.num_fa_reads} FA / {m.num_mamba_reads} Mamba reads, FA desc {m.fa_descriptor_bytes} B, "
                 f"FA emptied for {list(m.fa_emptied_ranks) or '-'}"
+            )
+            lines.append(
+                f"       mamba state pieces (bytes within one layer's state page, "
+                f"{len(m.mamba_pieces)} x {plan.decode_layout.regions} regions = "
+                f"{plan.mamba_descriptors_per_request(p.local_rank)} descriptors/request): {pieces}"
             )
     lines.append("")
     lines.append("prefill ranks:")

@@ -40,6 +40,9 @@ class TransferPlan:
     prefill: EngineSpec
     decode: EngineSpec
     tp_ratio: int | None
+    #: larger block size / smaller block size (>= 1, direction-free; see
+    #: :attr:`decode_over_prefill_block_size` for the direction, which the JSON calls
+    #: ``block_size_ratio``)
     block_size_ratio: int
     decode_ranks: tuple[RankPlan, ...]
     prefill_ranks: tuple[ProducerRankPlan, ...]
@@ -49,22 +52,43 @@ class TransferPlan:
     warnings: tuple[str, ...]
 
     @property
-    def signed_block_size_ratio(self) -> float:
-        """decode block size / prefill block size."""
-        return self.decode.block_size / self.prefill.block_size
+    def decode_over_prefill_block_size(self) -> int | float:
+        """Decode block size / prefill block size: an int when the decode blocks are the larger
+        (or equal) ones, else a fraction such as ``0.5`` (the JSON ``block_size_ratio``)."""
+        d, p = self.decode.block_size, self.prefill.block_size
+        return d // p if d % p == 0 else d / p
 
     def rank(self, decode_rank: int) -> RankPlan:
         return self.decode_ranks[decode_rank]
 
     def descriptors_per_block(self, decode_rank: int) -> int:
-        """Descriptors one decode rank posts per (decode) block of one request, all layers."""
+        """Attention descriptors one decode rank posts per (decode) block of one request, all
+        layers (Mamba state: :meth:`mamba_descriptors_per_request`)."""
         p = self.decode_ranks[decode_rank]
         lay = self.decode_layout
         units = max(1, self.decode.block_size // p.unit_tokens)
         return lay.regions * lay.elements_per_block * len(p.reads) * units
 
+    def mamba_descriptors_per_request(self, decode_rank: int) -> int:
+        """Mamba state descriptors one decode rank posts per request, all layer regions: one
+        per x / B / C / SSM piece and region for the request's state page (0 without Mamba).
+        They come on top of :meth:`descriptors_per_block`, which counts attention only."""
+        p = self.decode_ranks[decode_rank]
+        if p.mamba is None:
+            return 0
+        return self.decode_layout.regions * len(p.mamba.mamba_pieces)
+
+    def mamba_bytes_per_request(self, decode_rank: int) -> int:
+        """Mamba conv + SSM state bytes one decode rank receives per request (its shard of one
+        state page per layer region; 0 without Mamba). Not included in :meth:`bytes_per_token`."""
+        p = self.decode_ranks[decode_rank]
+        if p.mamba is None:
+            return 0
+        return self.decode_layout.regions * sum(x.length for x in p.mamba.mamba_pieces)
+
     def bytes_per_token(self, decode_rank: int) -> int:
-        """KV bytes one decode rank receives per token (all layers)."""
+        """KV bytes one decode rank receives per token (all layers; Mamba state:
+        :meth:`mamba_bytes_per_request`)."""
         return self.decode.bytes_per_token
 
 
