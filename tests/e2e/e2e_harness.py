@@ -81,9 +81,29 @@ def missing_env_reason() -> str | None:
 
 
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below the kernel's ephemeral range.
+
+    A port the kernel hands out for bind(("", 0)) goes back to the ephemeral
+    pool when released, and the engine's own listeners (UCX, torch.distributed)
+    may get it before the side channel binds it: seen here once. Ports below the
+    range are never handed out that way.
+    """
+    import random
+
+    low = 32768
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        pass
+    for _ in range(200):
+        port = random.randrange(max(1024, low - 12000), low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port below the ephemeral range")
 
 
 def tiny_llama(kv_heads: int = 2, *, layers: int = 2, heads: int = 4, head_dim: int = 32,
