@@ -12,8 +12,7 @@ import pathlib
 import nox
 
 nox.options.default_venv_backend = "uv"
-# `e2e` (real vLLM engines, ~10-20 min here) is run on demand: `uv run nox -s e2e`.
-nox.options.sessions = ["lint", "tests", "integration", "isolation"]
+nox.options.sessions = ["lint", "tests", "integration", "isolation", "e2e"]
 nox.options.error_on_missing_interpreters = True
 
 ROOT = pathlib.Path(__file__).parent

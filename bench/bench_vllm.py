@@ -38,6 +38,7 @@ from e2e_harness import (  # noqa: E402
     CONNECTORS,
     DisaggRun,
     EngineConfig,
+    cpu_binding,
     handshake_timings,
     make_prompts,
     missing_env_reason,
@@ -140,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     kv_bytes = 2 * args.layers * args.kv_heads * args.head_dim * 4 * args.prompt_len * args.num_prompts
     engine_kw = {"kv_cache_memory_bytes": args.kv_cache_mib * 2**20,
                  "max_model_len": max(1024, args.prompt_len + args.max_tokens + 32)}
-    cpus = {1: None, 2: "0|1"}
+    p_cpus, d_cpus = cpu_binding(args.prefill_tp, args.decode_tp)
     meta: dict[str, Any] = {
         "model_desc": f"{args.layers} layers, {args.kv_heads} KV heads x {args.head_dim}, fp32",
         "num_prompts": args.num_prompts, "prompt_len": args.prompt_len,
@@ -157,9 +158,9 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         run = run_disaggregated(
             CONNECTORS[name], model, prompts, args.max_tokens, workdir / name,
-            prefill=EngineConfig(tp=args.prefill_tp, cpus=cpus[args.prefill_tp] or "0",
+            prefill=EngineConfig(tp=args.prefill_tp, cpus=p_cpus,
                                  engine=engine_kw),
-            decode=EngineConfig(tp=args.decode_tp, cpus=cpus[args.decode_tp] or "1",
+            decode=EngineConfig(tp=args.decode_tp, cpus=d_cpus,
                                 engine=engine_kw),
             rounds=args.rounds, timings=True,
         )

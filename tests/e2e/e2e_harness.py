@@ -284,13 +284,38 @@ class EngineConfig:
     """How one engine runs: TP size, CPU cores, overrides for ``vllm.LLM``."""
 
     tp: int = 1
-    cpus: str = "0"  # VLLM_CPU_OMP_THREADS_BIND: "0", "1", "0|1" for TP 2
+    # VLLM_CPU_OMP_THREADS_BIND: "0", "1", "0|1" for TP 2, or "nobind" (one OpenMP thread
+    # per worker, placed by the OS). Engines of one run must never share a pinned core:
+    # vLLM's CPU workers spin while idle, and a worker pinned next to a spinning worker
+    # of the other engine stalled for minutes, long enough for every READ to time out.
+    cpus: str = "0"
     engine: Mapping[str, Any] = field(default_factory=dict)
+
+    def env(self) -> dict[str, str]:
+        env = {"VLLM_CPU_OMP_THREADS_BIND": self.cpus}
+        if self.cpus == "nobind":
+            env["OMP_NUM_THREADS"] = "1"
+        return env
 
     def llm_kwargs(self) -> dict[str, Any]:
         kw = dict(self.engine)
         kw["tensor_parallel_size"] = self.tp
         return kw
+
+
+def cpu_binding(prefill_tp: int, decode_tp: int, cpus: int | None = None) -> tuple[str, str]:
+    """VLLM_CPU_OMP_THREADS_BIND values for a prefill and a decode engine on one host.
+
+    Each worker gets its own core when both engines fit on this host's cores
+    (prefill first); otherwise both run unpinned ("nobind"), so that no two
+    workers of different engines are pinned to one core (see EngineConfig.cpus).
+    """
+    n = cpus if cpus is not None else (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                                       else os.cpu_count() or 1)
+    if prefill_tp + decode_tp > n:
+        return "nobind", "nobind"
+    return ("|".join(str(i) for i in range(prefill_tp)),
+            "|".join(str(prefill_tp + i) for i in range(decode_tp)))
 
 
 class EngineProcess:
@@ -450,8 +475,7 @@ def run_baseline(model: Path, prompts: list[list[int]], max_tokens: int, workdir
     workdir.mkdir(parents=True, exist_ok=True)
     spec = {"role": "baseline", "model": str(model), "prompts": prompts,
             "max_tokens": max_tokens, "engine": engine.llm_kwargs()}
-    e = EngineProcess("baseline", spec, workdir, {"VLLM_CPU_OMP_THREADS_BIND": engine.cpus},
-                      python).start()
+    e = EngineProcess("baseline", spec, workdir, engine.env(), python).start()
     _wait_all([e], None, deadline_s)
     return BaselineRun(e.result(), e.log_text())
 
@@ -502,11 +526,9 @@ def run_disaggregated(
     if kill_prefill_before_pull:
         d_spec["gate"] = True
     p = EngineProcess("prefill", p_spec, workdir,
-                      {"VLLM_CPU_OMP_THREADS_BIND": prefill.cpus,
-                       **connector.engine_env(host, p_port, timings=timings)}, python)
+                      {**prefill.env(), **connector.engine_env(host, p_port, timings=timings)}, python)
     d = EngineProcess("decode", d_spec, workdir,
-                      {"VLLM_CPU_OMP_THREADS_BIND": decode.cpus,
-                       **connector.engine_env(host, d_port, timings=timings)}, python)
+                      {**decode.env(), **connector.engine_env(host, d_port, timings=timings)}, python)
     p.start()
     prefill_exit: int | None = 0
     try:

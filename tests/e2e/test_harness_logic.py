@@ -89,3 +89,13 @@ def test_prompts_are_deterministic_and_avoid_special_ids() -> None:
     assert a == b and [len(p) for p in a] == [70, 5]
     assert min(min(p) for p in a) >= 3 and max(max(p) for p in a) < 1024
     assert make_prompts([70], seed=4) != make_prompts([70], seed=3)
+
+
+def test_cpu_binding_pins_disjoint_cores_or_none() -> None:
+    from e2e_harness import cpu_binding
+
+    assert cpu_binding(1, 1, cpus=2) == ("0", "1")
+    assert cpu_binding(2, 2, cpus=4) == ("0|1", "2|3")
+    # three workers on two cores: never pin two engines to one core
+    assert cpu_binding(2, 1, cpus=2) == ("nobind", "nobind")
+    assert cpu_binding(1, 2, cpus=2) == ("nobind", "nobind")

@@ -19,6 +19,7 @@ from e2e_harness import (
     ConnectorUnderTest,
     DisaggRun,
     EngineConfig,
+    cpu_binding,
     metric_total,
     run_disaggregated,
     transfer_figures,
@@ -114,13 +115,13 @@ def test_heterogeneous_tp_matches_baseline(
 ) -> None:
     model = request.getfixturevalue(f"model_kv{kv_heads}")
     baseline = request.getfixturevalue(f"baseline_kv{kv_heads}")
-    # Two cores: the TP 2 engine takes both, the TP 1 engine shares core 1.
-    cpus = {1: "1", 2: "0|1"}
+    # Three workers on two cores: no pinning (a shared pinned core stalls transfers).
+    p_cpus, d_cpus = cpu_binding(p_tp, d_tp)
     run = run_disaggregated(
         connector, model, prompts, MAX_TOKENS,
         e2e_workdir / f"pd-tp{p_tp}-tp{d_tp}-kv{kv_heads}-{connector.label}",
-        prefill=EngineConfig(tp=p_tp, cpus=cpus[p_tp] if p_tp == 2 else "0"),
-        decode=EngineConfig(tp=d_tp, cpus=cpus[d_tp]),
+        prefill=EngineConfig(tp=p_tp, cpus=p_cpus),
+        decode=EngineConfig(tp=d_tp, cpus=d_cpus),
     )
     assert run.decode_tokens() == baseline
     for p in run.transfer_params():
