@@ -87,7 +87,7 @@ def _fmt(v: Any, spec: str) -> str:
 
 def print_report(results: list[dict[str, Any]], meta: dict[str, Any]) -> None:
     print(f"\nmodel: {meta['model_desc']}; {meta['num_prompts']} prompts x {meta['prompt_len']} "
-          f"tokens; KV per round {meta['kv_bytes_per_round'] / 2**20:.1f} MiB")
+          f"tokens; KV per round {meta['kv_bytes_per_round'] / 2**20:.1f} MiB; cores: {meta['cpus']}")
     if meta.get("local_ttft_ms") is not None:
         print(f"local (no disaggregation) TTFT mean: {meta['local_ttft_ms']:.1f} ms")
     for res in results:
@@ -123,6 +123,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="KV cache per engine (must hold one round)")
     ap.add_argument("--prefill-tp", type=int, default=1)
     ap.add_argument("--decode-tp", type=int, default=1)
+    ap.add_argument("--cpus", choices=("auto", "nobind"), default="auto",
+                    help="auto: each worker pinned to its own core when the engines fit; "
+                         "nobind: no pinning (NIXL progress threads may use any core)")
     ap.add_argument("--local-baseline", action="store_true",
                     help="also measure a non-disaggregated engine's TTFT")
     ap.add_argument("--workdir", type=Path, default=None)
@@ -141,11 +144,12 @@ def main(argv: list[str] | None = None) -> int:
     kv_bytes = 2 * args.layers * args.kv_heads * args.head_dim * 4 * args.prompt_len * args.num_prompts
     engine_kw = {"kv_cache_memory_bytes": args.kv_cache_mib * 2**20,
                  "max_model_len": max(1024, args.prompt_len + args.max_tokens + 32)}
-    p_cpus, d_cpus = cpu_binding(args.prefill_tp, args.decode_tp)
+    p_cpus, d_cpus = (cpu_binding(args.prefill_tp, args.decode_tp) if args.cpus == "auto"
+                      else ("nobind", "nobind"))
     meta: dict[str, Any] = {
         "model_desc": f"{args.layers} layers, {args.kv_heads} KV heads x {args.head_dim}, fp32",
         "num_prompts": args.num_prompts, "prompt_len": args.prompt_len,
-        "kv_bytes_per_round": kv_bytes, "rounds": args.rounds, "workdir": str(workdir),
+        "kv_bytes_per_round": kv_bytes, "rounds": args.rounds, "workdir": str(workdir), "cpus": f"prefill {p_cpus}, decode {d_cpus}",
     }
     if args.local_baseline:
         base = run_baseline(model, prompts, args.max_tokens, workdir / "local",

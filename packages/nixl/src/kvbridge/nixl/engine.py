@@ -326,6 +326,25 @@ class _RankEngine:
     def _run_job(self, job: object) -> None:
         raise NotImplementedError
 
+    def _sweep(self, transfers: dict[int, Transfer], peer_engine: str) -> tuple[list[int], int | None]:
+        """Check the transfers of one request, keyed by peer rank, in order.
+
+        Finished ones are counted, released and removed from ``transfers``;
+        returns their ranks and the rank of the first one that ended in error
+        (None if none did; the sweep stops there).
+        """
+        done: list[int] = []
+        for rank, x in list(transfers.items()):
+            st = self.agent.state(x)
+            if st == "PROC":
+                continue
+            if st != "DONE":
+                return done, rank
+            _record_done(self.agent, self.stats, x, self._records, peer_engine)
+            del transfers[rank]
+            done.append(rank)
+        return done, None
+
     def _work(self) -> None:
         while True:
             peer = self._jobs.get()
@@ -838,20 +857,14 @@ class DecodeEngine(_RankEngine):
             t = self.tracker.get(rid)
             if t is None or t.state is not State.POSTED:
                 continue
-            for q, x in list(ld.transfers.items()):
-                st = self.agent.state(x)
-                if st == "PROC":
-                    continue
-                if st == "DONE":
-                    _record_done(self.agent, self.stats, x, self._records, ld.peer.engine_id)
-                    del ld.transfers[q]
-                    self._part_done(ld, q)
-                else:
-                    self._fail(rid, FailureKind.TRANSFER,
-                               f"READ from engine {ld.peer.engine_id!r} rank {q} ended in error")
-                    if ld.peer not in broken:
-                        broken.append(ld.peer)
-                    break
+            done, bad = self._sweep(ld.transfers, ld.peer.engine_id)
+            for q in done:
+                self._part_done(ld, q)
+            if bad is not None:
+                self._fail(rid, FailureKind.TRANSFER,
+                           f"READ from engine {ld.peer.engine_id!r} rank {bad} ended in error")
+                if ld.peer not in broken:
+                    broken.append(ld.peer)
         for peer in broken:  # a failing peer is presumed restarted or dead: handshake again next time
             for rid, ld in list(self._loads.items()):
                 if ld.peer is peer:
@@ -1075,22 +1088,14 @@ class PrefillEngine(_RankEngine):
                     self._push_queue.remove(p)
                     self._finish_push(p, "timed out waiting for the handshake", FailureKind.TIMEOUT)
                 continue
-            for r, x in list(p.transfers.items()):
-                st = self.agent.state(x)
-                if st == "PROC":
-                    continue
-                if st == "DONE":
-                    _record_done(self.agent, self.stats, x, self._records, p.peer.engine_id)
-                    del p.transfers[r]
-                else:
-                    self._finish_push(p, f"WRITE to rank {r} ended in error", FailureKind.TRANSFER)
-                    broken.append(p.peer)
-                    break
-            else:
-                if not p.transfers:
-                    self._finish_push(p, None)
-                elif now >= p.deadline:
-                    self._finish_push(p, "WRITE timed out", FailureKind.TIMEOUT)
+            _, bad = self._sweep(p.transfers, p.peer.engine_id)
+            if bad is not None:
+                self._finish_push(p, f"WRITE to rank {bad} ended in error", FailureKind.TRANSFER)
+                broken.append(p.peer)
+            elif not p.transfers:
+                self._finish_push(p, None)
+            elif now >= p.deadline:
+                self._finish_push(p, "WRITE timed out", FailureKind.TIMEOUT)
         for peer in broken:
             if peer.state == "ready":
                 self._drop_peer(peer)

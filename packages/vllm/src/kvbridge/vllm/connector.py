@@ -626,18 +626,14 @@ class _Worker:
                 log.error("kvbridge: cannot load request %s: %s", ld.request_id, exc)
                 self._failed_now[ld.request_id] = ld.local_block_ids
         if dec is not None:
-            for rp in orders.releases:
-                try:
-                    dec.release(_transfer_params(rp))
-                except ValueError as exc:
-                    log.warning("kvbridge: cannot release request %s at %s: %s", rp.request_id,
-                                rp.engine_id, exc)
-            for rp in orders.renewals:
-                try:
-                    dec.renew(_transfer_params(rp))
-                except ValueError as exc:
-                    log.warning("kvbridge: cannot renew request %s at %s: %s", rp.request_id,
-                                rp.engine_id, exc)
+            for verb, call, targets in (("release", dec.release, orders.releases),
+                                        ("renew", dec.renew, orders.renewals)):
+                for rp in targets:
+                    try:
+                        call(_transfer_params(rp))
+                    except ValueError as exc:
+                        log.warning("kvbridge: cannot %s request %s at %s: %s", verb, rp.request_id,
+                                    rp.engine_id, exc)
 
     def results(self) -> tuple[set[str], set[str], set[str]]:
         """(finished sending, finished receiving, failed receiving) on this worker since the
