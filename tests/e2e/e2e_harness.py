@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -88,8 +89,6 @@ def free_port() -> int:
     may get it before the side channel binds it: seen here once. Ports below the
     range are never handed out that way.
     """
-    import random
-
     low = 32768
     try:
         low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
