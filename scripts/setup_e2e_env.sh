@@ -167,8 +167,12 @@ for p in "${KVB_PACKAGES[@]}"; do
 done
 # kvbridge goes in with its dependencies, as a user would install it into a vLLM
 # environment, and must neither replace torch nor pull in another vLLM build.
-dists() { "$VPY" -c 'import importlib.metadata as md
-print(" ".join(sorted(f"{d.metadata[\"Name\"].lower()}=={d.version}" for d in md.distributions())))'; }
+dists() {
+    "$VPY" - <<'PY'
+import importlib.metadata as md
+print(" ".join(sorted(f"{d.metadata['Name'].lower()}=={d.version}" for d in md.distributions())))
+PY
+}
 before=$(dists)
 install "${editables[@]}"
 after=$(dists)
