@@ -329,6 +329,22 @@ def test_client_retries_across_a_restart_gap():
     assert result["md"][1].incarnation == "inc-new"
 
 
+def test_many_sequential_fetches_on_one_context():
+    """A decode engine handshakes for its whole life on one ZMQ context. Each fetch opens
+    a socket and its monitor; the monitor's endpoint must not collide with the one of an
+    earlier, closed socket (pyzmq's default name derives from a reused file descriptor,
+    which failed with EADDRINUSE after a few hundred fetches)."""
+    mds = engine_metadata(2)
+    ctx = zmq.Context()
+    try:
+        with MetadataServer(mds, compat_hash=HASH) as server:
+            for j in range(3000):
+                got = fetch(server, [j % 2], context=ctx)
+                assert got[j % 2] == mds[j % 2]
+    finally:
+        ctx.term()
+
+
 def test_concurrent_clients():
     mds = engine_metadata(8)
     errors: list[BaseException] = []

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+import uuid
 from collections.abc import Sequence
 
 import msgspec
@@ -160,7 +161,17 @@ def _request(ctx: zmq.Context, endpoint: str, request: bytes, timeout: float, re
             sock.setsockopt(zmq.MAXMSGSIZE, max_reply_bytes)
             if endpoint.startswith("tcp://["):
                 sock.setsockopt(zmq.IPV6, 1)
-            mon = sock.get_monitor_socket(_MONITORED)  # before connect: see every attempt
+            # Monitor before connect, to see every attempt. The monitor endpoint must be
+            # unique: pyzmq's default name derives from the socket's file descriptor, which
+            # the next socket reuses while libzmq may still hold the old endpoint (a closed
+            # socket's monitor is torn down asynchronously), and the bind then fails with
+            # EADDRINUSE.
+            try:
+                mon = sock.get_monitor_socket(
+                    _MONITORED, addr=f"inproc://kvbridge-handshake-monitor-{uuid.uuid4().hex}")
+            except zmq.ZMQError as exc:
+                raise HandshakeError(f"cannot monitor the side-channel socket for {endpoint}: "
+                                     f"{exc}") from exc
             try:
                 sock.connect(endpoint)
             except zmq.ZMQError as exc:
@@ -176,6 +187,10 @@ def _request(ctx: zmq.Context, endpoint: str, request: bytes, timeout: float, re
             if reply is not None:
                 return reply
         finally:
+            try:
+                sock.disable_monitor()
+            except zmq.ZMQError:
+                pass  # the monitor never started
             sock.close(linger=0)  # a REQ socket that timed out can never be reused
     raise HandshakeTimeout(
         f"no handshake reply from {endpoint} for ranks {want} within {timeout} s, "
