@@ -13,14 +13,19 @@ from kvbridge.nixl.agent import AgentConfig, NixlAgent, NixlError, expand_stride
 def pair():
     a = NixlAgent("test-agent-a", AgentConfig(num_threads=1))
     b = NixlAgent("test-agent-b", AgentConfig(num_threads=1))
+    assert not a.config.progress_thread  # the default: no NIXL progress thread
     yield a, b
     a.close()
     b.close()
 
 
-def _wait(agent, x, timeout=10.0):
+def _wait(agent, x, peer=None, timeout=10.0):
+    """Poll transfer ``x``; without progress threads the ``peer`` agent must progress too
+    (it answers the connection set-up), its notifications kept for later."""
     deadline = time.monotonic() + timeout
     while (s := agent.state(x)) == "PROC":
+        if peer is not None:
+            peer.progress()
         if time.monotonic() > deadline:
             raise TimeoutError
     return s
@@ -56,7 +61,7 @@ def test_read_with_index_arrays_and_notification(pair, strided):
     ri = np.array([5, 6, 7, 30], dtype=np.int32)
     x = b.make_transfer("READ", ll, li, rl, ri, b"done-1")
     assert b.post(x) in ("DONE", "PROC")
-    assert _wait(b, x) == "DONE"
+    assert _wait(b, x, peer=a) == "DONE"
     tel = b.telemetry(x)
     assert tel is not None and tel.bytes == 4 * bl
     for i, j in zip(li, ri, strict=True):
@@ -105,3 +110,17 @@ def test_close_releases_everything():
     with pytest.raises(NixlError, match="closed"):
         a.metadata()
     a.close()  # idempotent
+
+
+def test_progress_keeps_notifications_for_the_next_call(pair):
+    a, b = pair
+    b.add_remote(a.metadata())  # idempotent for a known agent
+    b.notify("test-agent-a", b"kept-1")
+    b.notify("test-agent-a", b"kept-2")
+    deadline = time.monotonic() + 5
+    while sum(len(v) for v in a._pending.values()) < 2 and time.monotonic() < deadline:
+        b.progress()  # the sender's worker pushes the messages out
+        a.progress()
+    got = a.notifications()
+    assert got.get("test-agent-b", [])[-2:] == [b"kept-1", b"kept-2"]
+    assert a.notifications() == {}  # handed out once

@@ -80,10 +80,11 @@ def test_bad_env_value_names_the_variable() -> None:
 def test_env_strings_are_parsed_per_type() -> None:
     cfg = parse_connector_config(
         {}, env={"KVBRIDGE_BACKENDS": "UCX, POSIX", "KVBRIDGE_ENFORCE_COMPAT": "no",
-                 "KVBRIDGE_HEARTBEAT_SECONDS": "2.5"},
+                 "KVBRIDGE_HEARTBEAT_SECONDS": "2.5", "KVBRIDGE_HUGE_PAGES": "0"},
     )
     assert cfg.backends == ("UCX", "POSIX")
     assert cfg.enforce_compat is False
+    assert cfg.huge_pages is False and parse_connector_config({}, env={}).huge_pages is True
     assert cfg.heartbeat_seconds == 2.5
 
 

@@ -96,11 +96,21 @@ Payload helpers (``kvbridge.memory.payload``)
 sender_tp, sender_rank, receiver_tp, receiver_rank, dim)``;
 ``merge_heads(shards: Mapping[sender_rank, Tensor], *, num_heads, sender_tp,
 receiver_tp, receiver_rank, dim)``.
+
+Huge pages (``kvbridge.memory.hugepages``)
+------------------------------------------
+``advise_huge_pages(ranges, *, collapse=True) -> HugePageResult``: mark the
+2 MiB-aligned inside of host ``(address, bytes)`` ranges ``MADV_HUGEPAGE`` and
+collapse what is already faulted in (``MADV_COLLAPSE``, Linux 6.1+); best effort,
+the result says what was done. ``huge_page_bytes(ranges)``: bytes on huge pages
+now (``/proc/self/smaps``). ``huge_page_size()``: 0 when the host has none.
+Host-memory READs over UCX run markedly faster on huge pages.
 """
 
 from .descriptors import RankDescriptors, expand_strided, rank_descriptors
 from .errors import MemoryLayoutError
 from .geometry import RegionGeometry, kernel_spec
+from .hugepages import HugePageResult, advise_huge_pages, huge_page_bytes, huge_page_size
 from .payload import merge_heads, slice_heads, split_kv
 from .postprocess import post_process
 from .regions import CacheRegions, Region, regions_from_kv_caches
@@ -109,11 +119,15 @@ from .staging import HostStaging
 __all__ = [
     "CacheRegions",
     "HostStaging",
+    "HugePageResult",
     "MemoryLayoutError",
     "RankDescriptors",
     "Region",
     "RegionGeometry",
+    "advise_huge_pages",
     "expand_strided",
+    "huge_page_bytes",
+    "huge_page_size",
     "kernel_spec",
     "merge_heads",
     "post_process",

@@ -114,8 +114,9 @@ def _child_loop(conn, role, spec, ranks, num_blocks, config, incarnation, serve_
                 conn.send(("ok", None))
             elif cmd in ("load", "expect"):
                 rid, params, local_ids, computed, seed, ntok, pspec, verify = arg
-                for r in ranks:
-                    caches[r].clear(local_ids)
+                if verify:  # zeroed first, so that bytes the transfer failed to write show
+                    for r in ranks:
+                        caches[r].clear(local_ids)
                 loaded_at[rid] = time.monotonic()
                 for r in ranks:
                     if cmd == "load":

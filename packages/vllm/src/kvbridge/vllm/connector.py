@@ -582,7 +582,7 @@ class _Worker:
             handshake_timeout_s=cfg.handshake_timeout_seconds,
             transfer_timeout_s=cfg.transfer_timeout_seconds, mem_type=regions.mem_type,
             model=identity, attention_backend=_backend_name(vc), enforce_compat=cfg.enforce_compat,
-            record_transfers=True,
+            record_transfers=True, huge_pages=cfg.huge_pages,
         )
         inc = self.conn.incarnation
         if self.conn.producer:
