@@ -12,7 +12,7 @@ from dataclasses import replace
 import pytest
 
 from kvbridge.handshake import new_incarnation
-from kvbridge.memory import kernel_spec
+from kvbridge.memory import huge_page_bytes, huge_page_size, kernel_spec
 from kvbridge.nixl.agent import AgentConfig
 from kvbridge.nixl.engine import DecodeEngine, EngineConfig, PrefillEngine, TransferParams
 from kvbridge.nixl.ledger import FailureKind
@@ -565,3 +565,31 @@ def test_packed_caches_move_head_slices(order):
         assert pair.dc.verify(kv, [8, 1, 3], 0, 40) > 0  # the check sees a missing block
     finally:
         pair.close()
+
+
+def test_engine_config_refuses_a_bad_progress_interval():
+    with pytest.raises(ValueError, match="progress_interval_s"):
+        EngineConfig(progress_interval_s=-0.001)
+    with pytest.raises(ValueError, match="progress_interval_s"):
+        EngineConfig(progress_interval_s=5)
+
+
+@pytest.mark.skipif(huge_page_size() == 0, reason="no transparent huge pages on this host")
+def test_host_caches_go_onto_huge_pages_before_registration():
+    spec = EngineSpec("huge", 1, 8, 128, 2, 16)  # 32 KiB per block and region
+    cache = SyntheticCache.allocate(spec, 0, 256)  # 8 MiB regions, 16 MiB per layer tensor
+    regions = cache.cache_regions(spec)
+    ranges = [(int(a), int(n)) for a, n, _ in regions.registration_descs()]
+    eng = PrefillEngine(spec, 0, regions, CFG)
+    try:
+        res = eng.huge_pages
+        assert res is not None and res.advised_bytes > 0 and not res.skipped
+        if res.collapsed_bytes:  # MADV_COLLAPSE exists here
+            assert huge_page_bytes(ranges) >= res.collapsed_bytes > 0
+    finally:
+        eng.close()
+    off = PrefillEngine(spec, 0, regions, replace(CFG, huge_pages=False))
+    try:
+        assert off.huge_pages is None
+    finally:
+        off.close()

@@ -375,7 +375,10 @@ class _RankEngine:
             except queue.Empty:
                 # no NIXL progress thread (it spins a core): keep connection set-up and
                 # notifications moving while the owner is between poll() calls
-                self.agent.progress()
+                try:
+                    self.agent.progress()
+                except Exception as exc:  # never let the worker die; poll() reports NIXL errors
+                    log.debug("rank %d: background NIXL progress failed: %s", self.rank, exc)
                 continue
             if peer is None:
                 return
