@@ -38,6 +38,7 @@ from e2e_harness import (  # noqa: E402
     CONNECTORS,
     DisaggRun,
     EngineConfig,
+    EngineFailed,
     cpu_binding,
     handshake_timings,
     make_prompts,
@@ -91,6 +92,9 @@ def print_report(results: list[dict[str, Any]], meta: dict[str, Any]) -> None:
     if meta.get("local_ttft_ms") is not None:
         print(f"local (no disaggregation) TTFT mean: {meta['local_ttft_ms']:.1f} ms")
     for res in results:
+        if res.get("failed"):
+            print(f"\n== {res['connector']} ==  FAILED after {res['wall_s']:.0f} s: {res['failed']}")
+            continue
         print(f"\n== {res['connector']} ==  engine start P {res['prefill_engine_start_s']:.1f} s, "
               f"D {res['decode_engine_start_s']:.1f} s")
         for k, v in res["handshake_s"].items():
@@ -128,6 +132,9 @@ def main(argv: list[str] | None = None) -> int:
                          "nobind: no pinning (NIXL progress threads may use any core)")
     ap.add_argument("--local-baseline", action="store_true",
                     help="also measure a non-disaggregated engine's TTFT")
+    ap.add_argument("--deadline-s", type=float, default=900,
+                    help="bound on one connector's whole run; a connector that passes it is "
+                         "reported as failed and the others are still measured")
     ap.add_argument("--workdir", type=Path, default=None)
     ap.add_argument("--json", type=Path, default=None, help="write all figures here")
     args = ap.parse_args(argv)
@@ -160,14 +167,21 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for name in names:
         t0 = time.perf_counter()
-        run = run_disaggregated(
-            CONNECTORS[name], model, prompts, args.max_tokens, workdir / name,
-            prefill=EngineConfig(tp=args.prefill_tp, cpus=p_cpus,
-                                 engine=engine_kw),
-            decode=EngineConfig(tp=args.decode_tp, cpus=d_cpus,
-                                engine=engine_kw),
-            rounds=args.rounds, timings=True,
-        )
+        try:
+            run = run_disaggregated(
+                CONNECTORS[name], model, prompts, args.max_tokens, workdir / name,
+                prefill=EngineConfig(tp=args.prefill_tp, cpus=p_cpus,
+                                     engine=engine_kw),
+                decode=EngineConfig(tp=args.decode_tp, cpus=d_cpus,
+                                    engine=engine_kw),
+                rounds=args.rounds, timings=True, deadline_s=args.deadline_s,
+            )
+        except EngineFailed as exc:  # keep the other connectors' figures
+            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            results.append({"connector": CONNECTORS[name].label, "failed": first,
+                            "wall_s": time.perf_counter() - t0,
+                            "logs": str(workdir / name)})
+            continue
         res = summarise(run, CONNECTORS[name].label)
         res["wall_s"] = time.perf_counter() - t0
         results.append(res)
@@ -175,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
         print(f"\nfigures written to {args.json}")
-    return 0
+    return 1 if any(r.get("failed") for r in results) else 0
 
 
 if __name__ == "__main__":
