@@ -181,7 +181,7 @@ def demo_command(argv: list[str]) -> int:
     print(f"first request (handshake + lists + transfer): {first_ms:.1f} ms")
     if len(rids) > 1:
         print(f"other {len(rids) - 1} requests: {wall * 1e3:.1f} ms, {moved_rest / wall / 1e9:.2f} GB/s "
-              f"aggregate over {ranks} rank(s)")
+              f"aggregate over {ranks} rank(s) (submitted one at a time through the harness)")
     if xs.xfer_us:
         print(f"NIXL telemetry: {xs.gbps:.2f} GB/s per transfer on average (transfers overlap)")
     print(f"memcpy on this machine (one thread): {mc:.2f} GB/s")
