@@ -56,7 +56,8 @@ def test_dtype_aliases_and_backend_case_fold():
     assert compatibility_hash(**{**BASE, "dtype": "torch.bfloat16"}) == h
     assert compatibility_hash(**{**BASE, "dtype": "BFloat16"}) == h
     assert compatibility_hash(**{**BASE, "attention_backend": "flash_attn"}) == h
-    assert compat_fields(**BASE)["cache_dtype"] == "fp8"
+    assert compat_fields(**BASE)["cache_dtype"] == "fp8_e4m3"  # one dtype table: fp8 is e4m3
+    assert compatibility_hash(**{**BASE, "cache_dtype": "float8_e4m3fn"}) == h
 
 
 # ----- ports -----------------------------------------------------------------

@@ -176,3 +176,21 @@ def test_registry_refuses_packed_against_other_layouts():
     assert reg.register(spec("p1", tp=4, layout=Layout.PACKED)) is True
     hb = 2 * 16 * 64 * 2  # one head's K and V over a block
     assert reg.plan("p1", 1).reads == (ReadOp(2, 0, 2 * hb, 0), ReadOp(3, 0, 2 * hb, 2 * hb))
+
+
+def test_one_dtype_table_folds_every_spelling() -> None:
+    from kvbridge.topology import (
+        DTYPE_ALIASES,
+        DTYPE_SIZES,
+        TopologyError,
+        canonical_dtype,
+        dtype_size,
+    )
+
+    for alias, name in DTYPE_ALIASES.items():
+        assert canonical_dtype(alias) == name and name in DTYPE_SIZES
+        assert dtype_size(alias) == DTYPE_SIZES[name]
+    assert canonical_dtype("torch.BFloat16") == "bf16"
+    assert dtype_size("float8_e4m3fn") == 1 and dtype_size("fp32") == 4
+    with pytest.raises(TopologyError, match="unknown dtype 'float64'"):
+        canonical_dtype("float64")

@@ -38,7 +38,6 @@ from .wire import (
     ErrorReply,
     MetadataReply,
     MetadataRequest,
-    canonical_dtype,
     compat_fields,
     compatibility_hash,
     new_incarnation,
@@ -49,7 +48,7 @@ __all__ = [
     "EngineFacts", "ErrorReply", "HandshakeError", "HandshakeTimeout", "IncompatiblePeer",
     "InvalidMetadata", "MalformedReply", "MambaSpecFacts", "MetadataReply", "MetadataRequest",
     "MetadataServer", "PeerUnreachable", "PortAllocationError", "RequestRejected", "ServerStats",
-    "SideChannelPorts", "UnknownRank", "WrongEngine", "canonical_dtype", "check_metadata",
+    "SideChannelPorts", "UnknownRank", "WrongEngine", "check_metadata",
     "compat_fields", "compatibility_hash", "decode_metadata", "encode_metadata",
     "fetch_metadata", "metadata_problems", "new_incarnation", "side_channel_port",
 ]

@@ -16,6 +16,8 @@ from typing import Annotated, Union
 
 import msgspec
 
+from kvbridge.topology import TopologyError, canonical_dtype
+
 #: Bumped only on incompatible wire changes; additive fields with defaults keep it.
 PROTOCOL_VERSION = 1
 
@@ -91,22 +93,13 @@ def encode(message: MetadataRequest | MetadataReply | ErrorReply) -> bytes:
     return ENCODER.encode(message)
 
 
-_DTYPE_ALIASES = {
-    "bfloat16": "bf16",
-    "float16": "fp16",
-    "half": "fp16",
-    "float32": "fp32",
-    "float": "fp32",
-    "float8_e4m3fn": "fp8_e4m3",
-    "float8_e5m2": "fp8_e5m2",
-}
-
-
-def canonical_dtype(name: str) -> str:
-    """Lower-case dtype name with common aliases folded (``torch.bfloat16`` -> ``bf16``)."""
-    n = str(name).strip().lower()
-    n = n.removeprefix("torch.")
-    return _DTYPE_ALIASES.get(n, n)
+def _hash_dtype(name: str) -> str:
+    """A dtype as the hash sees it: canonical when kvbridge knows it (``bfloat16`` ==
+    ``bf16``), else as spelled, lower-cased (an engine-specific value such as ``auto``)."""
+    try:
+        return canonical_dtype(name)
+    except TopologyError:
+        return str(name).strip().lower()
 
 
 def compat_fields(
@@ -122,8 +115,8 @@ def compat_fields(
     """The canonical inputs of :func:`compatibility_hash` (sent along for diagnostics)."""
     fields = {
         "model": str(model),
-        "dtype": canonical_dtype(dtype),
-        "cache_dtype": canonical_dtype(cache_dtype),
+        "dtype": _hash_dtype(dtype),
+        "cache_dtype": _hash_dtype(cache_dtype),
         "layout": str(getattr(layout, "value", layout)),
         "attention_backend": str(attention_backend).strip().upper(),
         "protocol_version": str(int(protocol_version)),

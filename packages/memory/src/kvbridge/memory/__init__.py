@@ -107,6 +107,7 @@ now (``/proc/self/smaps``). ``huge_page_size()``: 0 when the host has none.
 Host-memory READs over UCX run markedly faster on huge pages.
 """
 
+from .blockids import BlockIdError, block_id_array
 from .descriptors import RankDescriptors, expand_strided, rank_descriptors
 from .errors import MemoryLayoutError
 from .geometry import RegionGeometry, kernel_spec
@@ -117,6 +118,7 @@ from .regions import CacheRegions, Region, regions_from_kv_caches
 from .staging import HostStaging
 
 __all__ = [
+    "BlockIdError", "block_id_array",
     "CacheRegions",
     "HostStaging",
     "HugePageResult",

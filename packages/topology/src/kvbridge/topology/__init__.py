@@ -11,6 +11,7 @@ from .blocks import (
     logical_block_ids,
     match_units,
 )
+from .dtypes import DTYPE_ALIASES, DTYPE_SIZES, canonical_dtype, dtype_size
 from .errors import TopologyError
 from .heads import check_tp_heads, head_range, heads_per_rank, is_replicated, ranks_holding
 from .layout import KIND_K, KIND_KV, KIND_V, ElementLayout, element_kinds, element_layout
@@ -31,15 +32,15 @@ from .plan import (
     seed_handshake_ranks,
     tp_ratio,
 )
-from .spec import ConvLayout, EngineSpec, HeadOrder, Layout, MambaSpec, dtype_size
+from .spec import ConvLayout, EngineSpec, HeadOrder, Layout, MambaSpec
 from .transfer import PostProcess, TransferPlan, plan_transfer
 
 __all__ = [
-    "KIND_K", "KIND_KV", "KIND_V",
+    "DTYPE_ALIASES", "DTYPE_SIZES", "KIND_K", "KIND_KV", "KIND_V",
     "ConvLayout", "DimRead", "ElementLayout", "EngineSpec", "HeadOrder", "Layout", "MambaFacts",
     "MambaPiece", "MambaSpec", "PostProcess", "ProducerRankPlan", "RankPlan", "ReadOp",
     "TopologyError", "TransferKey", "TransferPlan", "UnitMatch", "block_size_ratio",
-    "blocks_for_tokens", "check_compatible", "check_tp_heads", "dtype_size", "element_kinds", "element_layout",
+    "blocks_for_tokens", "canonical_dtype", "check_compatible", "check_tp_heads", "dtype_size", "element_kinds", "element_layout",
     "head_range", "heads_per_rank", "is_replicated", "kernel_block_ids", "logical_block_ids",
     "mamba_state_bytes", "match_units", "notifications_expected", "plan_dim", "plan_rank",
     "plan_transfer", "producer_plans", "ranks_holding", "receive_sources", "seed_handshake_ranks",

@@ -13,9 +13,10 @@ import json
 import sys
 from importlib.metadata import entry_points
 
+from .dtypes import dtype_size
 from .errors import TopologyError
 from .render import plan_to_json, plan_to_svg, plan_to_text
-from .spec import EngineSpec, HeadOrder, Layout, MambaSpec, dtype_size
+from .spec import EngineSpec, HeadOrder, Layout, MambaSpec
 from .transfer import TransferPlan, plan_transfer
 
 ENTRY_POINT_GROUP = "kvbridge.commands"

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .dtypes import canonical_dtype
 from .errors import TopologyError
 from .heads import head_range, ranks_holding
 from .spec import ConvLayout, EngineSpec, HeadOrder
@@ -214,7 +215,7 @@ def check_compatible(local: EngineSpec, remote: EngineSpec) -> None:
         a, b = getattr(local, name), getattr(remote, name)
         if a != b:
             raise TopologyError(f"{where}: {name} differs ({a} vs {b}); {hint}")
-    if local.dtype_size != remote.dtype_size or _canon_dtype(local.dtype) != _canon_dtype(remote.dtype):
+    if local.dtype_size != remote.dtype_size or canonical_dtype(local.dtype) != canonical_dtype(remote.dtype):
         raise TopologyError(
             f"{where}: KV cache dtype differs ({local.dtype} vs {remote.dtype}); "
             "run both engines with the same kv-cache dtype"
@@ -275,11 +276,6 @@ def _check_packed(local: EngineSpec, remote: EngineSpec, where: str) -> None:
             "regroup tokens inside a packed head slice (their order is backend-specific), so use "
             "the same (kernel) block size on both engines"
         )
-
-
-def _canon_dtype(name: str) -> str:
-    aliases = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "fp8": "fp8_e4m3"}
-    return aliases.get(name.lower(), name.lower())
 
 
 def _mamba_shape(spec: EngineSpec) -> tuple[int, ...] | None:

@@ -10,31 +10,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from .dtypes import dtype_size
 from .errors import TopologyError
-
-DTYPE_SIZES: dict[str, int] = {
-    "fp32": 4,
-    "float32": 4,
-    "bf16": 2,
-    "bfloat16": 2,
-    "fp16": 2,
-    "float16": 2,
-    "fp8": 1,
-    "fp8_e4m3": 1,
-    "fp8_e5m2": 1,
-    "int8": 1,
-    "uint8": 1,
-}
-
-
-def dtype_size(name: str) -> int:
-    """Bytes per element of a dtype name such as ``"bf16"``."""
-    try:
-        return DTYPE_SIZES[name.lower()]
-    except KeyError:
-        raise TopologyError(
-            f"unknown dtype {name!r}; use one of {sorted(set(DTYPE_SIZES))}"
-        ) from None
 
 
 class Layout(str, enum.Enum):

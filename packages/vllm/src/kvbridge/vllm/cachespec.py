@@ -29,7 +29,7 @@ from kvbridge.topology import (
     HeadOrder,
     Layout,
     TopologyError,
-    dtype_size,
+    canonical_dtype,
     heads_per_rank,
 )
 
@@ -42,20 +42,6 @@ __all__ = [
     "layer_sort_key",
     "model_identity",
 ]
-
-#: torch dtype names (``str(t.dtype)`` without ``torch.``) -> kvbridge dtype names
-_DTYPES = {
-    "float32": "fp32",
-    "bfloat16": "bf16",
-    "float16": "fp16",
-    "float8_e4m3fn": "fp8_e4m3",
-    "float8_e4m3fnuz": "fp8_e4m3",
-    "float8_e5m2": "fp8_e5m2",
-    "float8_e5m2fnuz": "fp8_e5m2",
-    "uint8": "uint8",
-    "int8": "int8",
-}
-
 
 class CacheShapeError(ValueError):
     """A vLLM KV-cache tensor kvbridge cannot describe."""
@@ -85,25 +71,11 @@ class LayerTensor:
 
 
 def dtype_name(torch_dtype: object) -> str:
-    """kvbridge's name for a torch dtype (``torch.bfloat16`` -> ``"bf16"``)."""
-    name = str(torch_dtype).removeprefix("torch.")
-    if name in _DTYPES:
-        return _DTYPES[name]
-    raise CacheShapeError(
-        f"KV-cache dtype {name} is not supported; use one of {sorted(set(_DTYPES))}"
-    )
-
-
-def _kvbridge_dtype(name: str) -> str:
-    """kvbridge's short name for a torch dtype name ("bfloat16" -> "bf16"), or ``name``
-    itself when it already is one ("fp32")."""
-    if name.removeprefix("torch.") in _DTYPES:
-        return dtype_name(name)
+    """kvbridge's name for a torch dtype or dtype name (``torch.bfloat16`` -> ``"bf16"``)."""
     try:
-        dtype_size(name)
-    except TopologyError:
-        return dtype_name(name)  # raises, naming the supported dtypes
-    return name
+        return canonical_dtype(torch_dtype)
+    except TopologyError as e:
+        raise CacheShapeError(f"KV-cache dtype not supported: {e}") from None
 
 
 def layer_sort_key(name: str) -> tuple:
@@ -178,7 +150,7 @@ def engine_spec_for(facts: ModelFacts, layers: Sequence[LayerTensor]) -> EngineS
         raise CacheShapeError(str(exc)) from exc
     seen = {}
     for t in layers:
-        desc = _describe(t, facts, h) + (_kvbridge_dtype(t.dtype),)
+        desc = _describe(t, facts, h) + (dtype_name(t.dtype),)
         seen.setdefault(desc, []).append(t.name)
     if len(seen) > 1:
         kinds = "; ".join(f"{names[:3]}: {d[0].value} {d[1].value}, {d[2]} blocks, {d[4]}"
