@@ -15,8 +15,8 @@ from kvbridge.topology import (
     EngineSpec,
     HeadOrder,
     Layout,
+    block_size_ratio,
     kernel_block_ids,
-    match_units,
     plan_rank,
 )
 
@@ -53,20 +53,34 @@ def test_strided_rows_expand_to_the_flat_list_region_major_block_minor():
         assert (local[:, 1] == read.length).all() and (local[:, 2] == 3).all()
 
 
+def _match_units(local_ids, remote_ids, local_block_size, remote_block_size):
+    """Reference pairing: (local block, local unit, remote block, remote unit) in token order.
+
+    The blocks of both sides hold the same tokens in order; a block of the larger
+    size is ``ratio`` consecutive units. Units past the end of the shorter list
+    are left out.
+    """
+    ratio = block_size_ratio(local_block_size, remote_block_size)
+    lu = ratio if local_block_size > remote_block_size else 1
+    ru = ratio if remote_block_size > local_block_size else 1
+    n = min(len(local_ids) * lu, len(remote_ids) * ru)
+    return [(local_ids[g // lu], g % lu, remote_ids[g // ru], g % ru) for g in range(n)]
+
+
 def _reference_indices(rd, lg, rg, plan, q, lids, rids, skip):
-    """Per-unit Python reference built on topology.match_units."""
+    """Per-unit Python reference built on a unit-by-unit token-order pairing."""
     lk = kernel_block_ids(list(lids), lg.kernel_blocks_per_block)
     rk = kernel_block_ids(list(rids), rg.kernel_blocks_per_block)
     # local ids start `skip` logical blocks into the prompt: pad with placeholders
     pad = skip * lg.kernel_blocks_per_block
-    matches = match_units([-1] * pad + lk, rk, lg.kernel_block_tokens, rg.kernel_block_tokens)
-    matches = [m for m in matches if m.local_block >= 0]
+    matches = _match_units([-1] * pad + lk, rk, lg.kernel_block_tokens, rg.kernel_block_tokens)
+    matches = [m for m in matches if m[0] >= 0]
     keys = rd.attn_keys
     out = set()
     for key in range(keys):
-        for m in matches:
-            li = (key * rd.local_units + m.local_unit) * lg.num_kernel_blocks + m.local_block
-            ri = (key * rd.remote_units + m.remote_unit) * rg.num_kernel_blocks + m.remote_block
+        for l_block, l_unit, r_block, r_unit in matches:
+            li = (key * rd.local_units + l_unit) * lg.num_kernel_blocks + l_block
+            ri = (key * rd.remote_units + r_unit) * rg.num_kernel_blocks + r_block
             out.add((li, ri))
     return out
 
@@ -80,7 +94,7 @@ def _reference_indices(rd, lg, rg, plan, q, lids, rids, skip):
     st.integers(0, 4),
     st.integers(0, 2**16),
 )
-def test_indices_match_topology_match_units(tps, sizes, kernels, tokens, skip, seed):
+def test_indices_match_the_unit_pairing_reference(tps, sizes, kernels, tokens, skip, seed):
     d_tp, p_tp = tps
     d_bs, p_bs = sizes
     loc = spec("d", d_tp, d_bs, kernels[0], order=HeadOrder.NHD if d_bs > p_bs else HeadOrder.HND)

@@ -211,3 +211,15 @@ def test_unknown_command_and_help(capsys):
     assert "unknown command 'frobnicate'" in capsys.readouterr().err
     assert main(["--help"]) == 0
     assert "plan" in capsys.readouterr().out
+
+
+def test_plan_prints_the_warnings_header_only_with_warnings():
+    quiet = run("plan", "--prefill-tp", "2", "--decode-tp", "2", "--kv-heads", "8")
+    assert quiet.returncode == 0, quiet.stderr
+    assert "warnings" not in quiet.stdout
+    loud = run("plan", "--prefill-tp", "3", "--decode-tp", "2", "--kv-heads", "6")
+    assert loud.returncode == 0, loud.stderr
+    lines = loud.stdout.splitlines()
+    at = lines.index("warnings:")
+    assert lines[at + 1].startswith("  - TP sizes 3 and 2 do not divide each other")
+    assert all(line.startswith("  - ") for line in lines[at + 1:])

@@ -1,10 +1,8 @@
-"""Block ids, store-based rank mapping and keys, the registry, engine validation."""
+"""Block ids, head placement, pairwise engine checks, engine validation."""
 
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 from kvbridge.topology import (
     KIND_K,
@@ -14,21 +12,16 @@ from kvbridge.topology import (
     Layout,
     ReadOp,
     TopologyError,
-    TransferKey,
-    UnitMatch,
     block_size_ratio,
     blocks_for_tokens,
+    check_compatible,
     element_kinds,
     element_layout,
     head_range,
     kernel_block_ids,
-    logical_block_ids,
-    match_units,
+    plan_rank,
     ranks_holding,
-    receive_sources,
-    send_targets,
 )
-from kvbridge.topology.registry import RemoteEngineRegistry
 
 
 def spec(engine_id="e", tp=1, **kw):
@@ -44,77 +37,24 @@ def test_head_placement_sharded_and_replicated():
     assert list(ranks_holding(4, 8, 5)) == [2]
 
 
-def test_kernel_block_ids_round_trip():
+def test_kernel_block_ids():
     assert kernel_block_ids([3, 7], 2) == [6, 7, 14, 15]
-    assert logical_block_ids([6, 7, 14, 15], 2) == [3, 7]
-    with pytest.raises(TopologyError, match="do not form one logical block"):
-        logical_block_ids([7, 8], 2)
 
 
-def test_match_units_larger_local_blocks():
-    got = match_units([10, 11], [1, 2, 3, 4, 5], local_block_size=32, remote_block_size=16)
-    assert got == [
-        UnitMatch(10, 0, 1, 0), UnitMatch(10, 1, 2, 0),
-        UnitMatch(11, 0, 3, 0), UnitMatch(11, 1, 4, 0),
-    ]
-    got = match_units([5, 6, 7], [9], local_block_size=16, remote_block_size=64)
-    assert got == [UnitMatch(5, 0, 9, 0), UnitMatch(6, 0, 9, 1), UnitMatch(7, 0, 9, 2)]
+def test_block_size_ratio_and_blocks_for_tokens():
     assert block_size_ratio(16, 64) == 4
     with pytest.raises(TopologyError):
         block_size_ratio(16, 24)
     assert blocks_for_tokens(33, 16) == 3 and blocks_for_tokens(0, 16) == 0
 
 
-@given(st.sampled_from([1, 2, 4, 8, 16]), st.sampled_from([1, 2, 4, 8, 16]))
-def test_send_targets_and_receive_sources_are_inverse(s, r):
-    pairs_send = {(a, b) for a in range(s) for b in send_targets(s, r, a)}
-    pairs_recv = {(a, b) for b in range(r) for a in receive_sources(s, r, b)}
-    assert pairs_send == pairs_recv
-    assert {b for _, b in pairs_send} == set(range(r))
-    assert {a for a, _ in pairs_send} == set(range(s))
-
-
-def test_store_mapping_refuses_non_divisible_sizes():
-    with pytest.raises(TopologyError, match="one must be a multiple"):
-        send_targets(3, 2, 0)
-    with pytest.raises(TopologyError, match="outside"):
-        receive_sources(2, 4, 4)
-
-
-@settings(max_examples=300)
-@given(
-    st.text(min_size=1, max_size=40), st.text(max_size=10),
-    st.integers(0, 10**6), st.integers(0, 512), st.integers(0, 512),
-)
-def test_transfer_keys_round_trip(req, stage, chunk, a, b):
-    key = TransferKey(req, stage, chunk, a, b)
-    assert TransferKey.parse(str(key)) == key
-
-
-@pytest.mark.parametrize("bad", ["", "kvb1/a/b/c", "kvb2/r/s/0/0-1", "kvb1/r/s/x/0-1", "kvb1/r/s/0/01"])
-def test_transfer_key_parser_rejects_garbage(bad):
-    with pytest.raises(TopologyError):
-        TransferKey.parse(bad)
-
-
-def test_registry_registers_once_and_refuses_conflicts():
-    reg = RemoteEngineRegistry(spec("local", tp=2))
-    assert reg.register(spec("p0", tp=4)) is True
-    assert reg.register(spec("p0", tp=4)) is False
-    with pytest.raises(TopologyError, match="local engine's own id"):
-        reg.register(spec("local", tp=4))
-    with pytest.raises(TopologyError, match="different facts"):
-        reg.register(spec("p0", tp=8))
-    plan = reg.plan("p0", 1)
-    assert plan.handshake_ranks == (2, 3)
-    assert reg.plan("p0", 1) is plan  # cached
-    reg.forget("p0")
-    assert "p0" not in reg
-    assert reg.register(spec("p0", tp=8)) is True  # a restarted engine with a new shape
-    with pytest.raises(TopologyError, match="not registered"):
-        reg.plan("nope", 0)
+def test_pairwise_checks_refuse_conflicts():
+    local = spec("local", tp=2)
+    with pytest.raises(TopologyError, match="same engine id"):
+        check_compatible(local, spec("local", tp=4))
+    assert plan_rank(local, spec("p0", tp=4), 1).handshake_ranks == (2, 3)
     with pytest.raises(TopologyError, match="num_kv_heads differs"):
-        reg.register(spec("p1", tp=1, num_kv_heads=4))
+        check_compatible(local, spec("p1", tp=1, num_kv_heads=4))
 
 
 @pytest.mark.parametrize(
@@ -169,13 +109,13 @@ def test_packed_refuses_mamba_with_its_own_message():
         spec(layout="packed", mamba=m)
 
 
-def test_registry_refuses_packed_against_other_layouts():
-    reg = RemoteEngineRegistry(spec("local", tp=2, layout=Layout.PACKED))
+def test_packed_pairs_only_with_packed():
+    local = spec("local", tp=2, layout=Layout.PACKED)
     with pytest.raises(TopologyError, match="same vLLM-style packed cache"):
-        reg.register(spec("p0", tp=4))
-    assert reg.register(spec("p1", tp=4, layout=Layout.PACKED)) is True
+        check_compatible(local, spec("p0", tp=4))
     hb = 2 * 16 * 64 * 2  # one head's K and V over a block
-    assert reg.plan("p1", 1).reads == (ReadOp(2, 0, 2 * hb, 0), ReadOp(3, 0, 2 * hb, 2 * hb))
+    plan = plan_rank(local, spec("p1", tp=4, layout=Layout.PACKED), 1)
+    assert plan.reads == (ReadOp(2, 0, 2 * hb, 0), ReadOp(3, 0, 2 * hb, 2 * hb))
 
 
 def test_one_dtype_table_folds_every_spelling() -> None:

@@ -48,9 +48,12 @@ devices, inconsistent block counts or sizes.
 ``byte_view(i) -> Tensor`` (uint8 ``[num_blocks, block_stride]`` view of region i).
 ``expand_strided(rows)`` (in ``descriptors``) turns N x 5 rows into the N x 3 list.
 
+Kernel blocks (``kvbridge.memory.kernel``)
+------------------------------------------
+``kernel_spec(spec) -> EngineSpec``: the spec of one kernel block (plan on it).
+
 Geometry (``kvbridge.memory.geometry``)
 ---------------------------------------
-``kernel_spec(spec) -> EngineSpec``: the spec of one kernel block (plan on it).
 
 ``RegionGeometry``: plain numbers only; ``base_addrs, block_strides (per region,
 between logical blocks), num_blocks, block_tokens, kernel_blocks_per_block,
@@ -78,24 +81,13 @@ at the prompt's first token, ``local_ids`` at block ``local_skip_blocks`` (a
 partial prefix hit: only the uncomputed tail is read; ``None`` = the vLLM
 convention ``len(remote_ids) - len(local_ids)`` for equal block sizes).
 
-Staging and post-processing
----------------------------
-``HostStaging.allocate(cache_regions, pin_memory=None)`` (frozen): host mirrors of device
-regions; ``.regions`` (DRAM ``CacheRegions`` to register/describe instead),
-``.to_host(block_ids)`` before sending, ``.to_device(block_ids)`` after receiving.
-
+Post-processing (``kvbridge.memory.postprocess``)
+-------------------------------------------------
 ``post_process(cache_regions, block_ids, post, spec=None)``: in-place rearrangement
 of received blocks per ``topology.PostProcess`` (HND<->NHD, ``units`` smaller
 remote blocks ``[units, heads, tokens, dim]`` -> ``[heads, units*tokens, dim]``,
 or both). ``block_ids`` are local logical ids. Packed caches are never
 rearranged (raises ``MemoryLayoutError`` if ``post.needed``).
-
-Payload helpers (``kvbridge.memory.payload``)
----------------------------------------------
-``split_kv(kv, layout) -> (K, V)``; ``slice_heads(shard, *, num_heads,
-sender_tp, sender_rank, receiver_tp, receiver_rank, dim)``;
-``merge_heads(shards: Mapping[sender_rank, Tensor], *, num_heads, sender_tp,
-receiver_tp, receiver_rank, dim)``.
 
 Huge pages (``kvbridge.memory.hugepages``)
 ------------------------------------------
@@ -105,36 +97,37 @@ collapse what is already faulted in (``MADV_COLLAPSE``, Linux 6.1+); best effort
 the result says what was done. ``huge_page_bytes(ranges)``: bytes on huge pages
 now (``/proc/self/smaps``). ``huge_page_size()``: 0 when the host has none.
 Host-memory READs over UCX run markedly faster on huge pages.
+
+Block ids (``kvbridge.memory.blockids``)
+----------------------------------------
+``block_id_array(ids, num_blocks, what="")``: the one check of a request's block ids
+(integers in ``[0, num_blocks)``) as an int64 array; raises ``BlockIdError``.
 """
 
 from .blockids import BlockIdError, block_id_array
 from .descriptors import RankDescriptors, expand_strided, rank_descriptors
 from .errors import MemoryLayoutError
-from .geometry import RegionGeometry, kernel_spec
+from .geometry import RegionGeometry
 from .hugepages import HugePageResult, advise_huge_pages, huge_page_bytes, huge_page_size
-from .payload import merge_heads, slice_heads, split_kv
+from .kernel import kernel_spec
 from .postprocess import post_process
 from .regions import CacheRegions, Region, regions_from_kv_caches
-from .staging import HostStaging
 
 __all__ = [
-    "BlockIdError", "block_id_array",
+    "BlockIdError",
     "CacheRegions",
-    "HostStaging",
     "HugePageResult",
     "MemoryLayoutError",
     "RankDescriptors",
     "Region",
     "RegionGeometry",
     "advise_huge_pages",
+    "block_id_array",
     "expand_strided",
     "huge_page_bytes",
     "huge_page_size",
     "kernel_spec",
-    "merge_heads",
     "post_process",
     "rank_descriptors",
     "regions_from_kv_caches",
-    "slice_heads",
-    "split_kv",
 ]

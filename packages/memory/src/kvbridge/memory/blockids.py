@@ -7,9 +7,11 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from .errors import MemoryLayoutError
 
-class BlockIdError(ValueError):
-    """Block ids that are not a flat list of integers inside the cache."""
+
+class BlockIdError(MemoryLayoutError):
+    """Block ids that are not a flat list of integers inside the cache (a ``ValueError``)."""
 
 
 def block_id_array(ids: Sequence[int] | np.ndarray, num_blocks: int, what: str = "") -> np.ndarray:

@@ -27,6 +27,7 @@ import numpy as np
 
 from kvbridge.topology import KIND_KV, RankPlan
 
+from .blockids import block_id_array
 from .errors import MemoryLayoutError
 from .geometry import RegionGeometry
 
@@ -150,17 +151,17 @@ class RankDescriptors:
         list are left out. Mamba (``group="mamba"``): the state pages pair
         up from the end (``remote_ids[-len(local_ids):]``).
         """
-        lids = _ids(local_ids, "local")
-        rids = _ids(remote_ids, "remote")
         if group == "attention":
-            return self._attn_indices(lids, rids, local_skip_blocks)
+            return self._attn_indices(local_ids, remote_ids, local_skip_blocks)
         if group == "mamba":
-            return self._mamba_indices(lids, rids)
+            return self._mamba_indices(local_ids, remote_ids)
         raise MemoryLayoutError(f"group must be 'attention' or 'mamba', got {group!r}")
 
-    def _attn_indices(self, lids: np.ndarray, rids: np.ndarray, skip: int | None):
-        _check_range(lids, self.local_kernel_blocks // self.local_kernel_per_block, "local")
-        _check_range(rids, self.remote_kernel_blocks // self.remote_kernel_per_block, "remote")
+    def _attn_indices(self, local_ids, remote_ids, skip: int | None):
+        lids = block_id_array(local_ids, self.local_kernel_blocks // self.local_kernel_per_block,
+                              "local")
+        rids = block_id_array(remote_ids,
+                              self.remote_kernel_blocks // self.remote_kernel_per_block, "remote")
         if skip is None:
             skip = max(0, len(rids) - len(lids)) if (
                 self.local_block_tokens == self.remote_block_tokens) else 0
@@ -186,11 +187,11 @@ class RankDescriptors:
         ridx = (keys * ru + runit[None, :]) * self.remote_kernel_blocks + rblock[None, :]
         return _i32(lidx.ravel()), _i32(ridx.ravel())
 
-    def _mamba_indices(self, lids: np.ndarray, rids: np.ndarray):
+    def _mamba_indices(self, local_ids, remote_ids):
         if not self.has_mamba:
             raise MemoryLayoutError("this engine pair has no Mamba state; use group='attention'")
-        _check_range(lids, self.local_pages, "local")
-        _check_range(rids, self.remote_pages, "remote")
+        lids = block_id_array(local_ids, self.local_pages, "local")
+        rids = block_id_array(remote_ids, self.remote_pages, "remote")
         if len(lids) > len(rids):
             raise MemoryLayoutError(
                 f"{len(lids)} local Mamba blocks but the remote request has only {len(rids)}"
@@ -202,17 +203,6 @@ class RankDescriptors:
         lidx = self.local_attn_descs + rows * self.local_pages + lids[None, :]
         ridx = self.remote_attn_descs + rows * self.remote_pages + rids[None, :]
         return _i32(lidx.ravel()), _i32(ridx.ravel())
-
-
-def _ids(ids: Sequence[int] | np.ndarray, side: str) -> np.ndarray:
-    arr = np.asarray(ids, dtype=np.int64).reshape(-1)
-    return arr
-
-
-def _check_range(ids: np.ndarray, limit: int, side: str) -> None:
-    if len(ids) and (ids.min() < 0 or ids.max() >= limit):
-        bad = ids[(ids < 0) | (ids >= limit)][:5].tolist()
-        raise MemoryLayoutError(f"{side} block ids {bad} are outside the {limit} blocks of the cache")
 
 
 def _i32(a: np.ndarray) -> np.ndarray:

@@ -9,39 +9,18 @@ touches tensors and never imports the handshake package.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvbridge.topology import EngineSpec, element_layout
 
 from .errors import MemoryLayoutError
+from .kernel import kernel_spec
 
 if TYPE_CHECKING:  # pragma: no cover
     from .regions import CacheRegions
 
 MEM_TYPES = ("DRAM", "VRAM")
-
-
-def kernel_spec(spec: EngineSpec) -> EngineSpec:
-    """The same engine described at kernel-block granularity.
-
-    Attention descriptors address physical (kernel) blocks, so read plans must
-    be made on these specs: ``plan_rank(kernel_spec(local), kernel_spec(remote), r)``.
-    Returns ``spec`` itself when a logical block is one kernel block.
-    """
-    n = spec.kernel_blocks_per_block
-    if n == 1:
-        return spec
-    block_bytes = None
-    if spec.block_bytes is not None:
-        if spec.block_bytes % n:
-            raise MemoryLayoutError(
-                f"engine {spec.engine_id!r}: block_bytes {spec.block_bytes} is not divisible by "
-                f"kernel_blocks_per_block {n}; a logical block must be whole kernel blocks"
-            )
-        block_bytes = spec.block_bytes // n
-    return replace(spec, block_size=spec.block_size // n, kernel_blocks_per_block=1,
-                   block_bytes=block_bytes)
 
 
 def _as_int_tuple(values: Sequence[int] | int, n: int | None, what: str) -> tuple[int, ...]:

@@ -17,8 +17,9 @@ import torch
 
 from kvbridge.topology import EngineSpec, HeadOrder, PostProcess
 
+from .blockids import block_id_array
 from .errors import MemoryLayoutError
-from .geometry import kernel_spec
+from .kernel import kernel_spec
 from .regions import CacheRegions
 
 
@@ -58,11 +59,9 @@ def post_process(
     heads = ksp.heads_per_rank
     row = spec.head_dim * spec.dtype_size
     elem = heads * ksp.block_size * row
-    ids = np.asarray(block_ids, dtype=np.int64).reshape(-1)
+    ids = block_id_array(block_ids, regions.num_blocks, "local")
     if len(ids) == 0:
         return
-    if ids.min() < 0 or ids.max() >= regions.num_blocks:
-        raise MemoryLayoutError(f"block ids outside the {regions.num_blocks} local blocks")
     kids = (ids[:, None] * n + np.arange(n)).ravel()
     for i, reg in enumerate(regions.regions):
         if reg.element_bytes != elem:

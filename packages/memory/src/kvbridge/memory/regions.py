@@ -18,7 +18,7 @@ import torch
 from kvbridge.topology import KIND_KV, EngineSpec
 
 from .errors import MemoryLayoutError
-from .geometry import kernel_spec
+from .kernel import kernel_spec
 
 Role = tuple[int, int]
 

@@ -3,19 +3,11 @@
 Standard library only, so operators can plan deployments without torch or NIXL.
 """
 
-from .blocks import (
-    UnitMatch,
-    block_size_ratio,
-    blocks_for_tokens,
-    kernel_block_ids,
-    logical_block_ids,
-    match_units,
-)
+from .blocks import block_size_ratio, blocks_for_tokens, kernel_block_ids
 from .dtypes import DTYPE_ALIASES, DTYPE_SIZES, canonical_dtype, dtype_size
 from .errors import TopologyError
 from .heads import check_tp_heads, head_range, heads_per_rank, is_replicated, ranks_holding
 from .layout import KIND_K, KIND_KV, KIND_V, ElementLayout, element_kinds, element_layout
-from .parallel import TransferKey, receive_sources, send_targets
 from .plan import (
     DimRead,
     MambaFacts,
@@ -24,25 +16,25 @@ from .plan import (
     RankPlan,
     ReadOp,
     check_compatible,
-    mamba_state_bytes,
-    notifications_expected,
     plan_dim,
     plan_rank,
     producer_plans,
     seed_handshake_ranks,
     tp_ratio,
 )
-from .spec import ConvLayout, EngineSpec, HeadOrder, Layout, MambaSpec
+from .render import plan_to_json, plan_to_svg, plan_to_text
+from .shapes import add_shape_arguments, engines_from_args
+from .spec import ConvLayout, EngineSpec, HeadOrder, Layout, MambaSpec, mamba_state_bytes
 from .transfer import PostProcess, TransferPlan, plan_transfer
 
 __all__ = [
     "DTYPE_ALIASES", "DTYPE_SIZES", "KIND_K", "KIND_KV", "KIND_V",
     "ConvLayout", "DimRead", "ElementLayout", "EngineSpec", "HeadOrder", "Layout", "MambaFacts",
     "MambaPiece", "MambaSpec", "PostProcess", "ProducerRankPlan", "RankPlan", "ReadOp",
-    "TopologyError", "TransferKey", "TransferPlan", "UnitMatch", "block_size_ratio",
-    "blocks_for_tokens", "canonical_dtype", "check_compatible", "check_tp_heads", "dtype_size", "element_kinds", "element_layout",
-    "head_range", "heads_per_rank", "is_replicated", "kernel_block_ids", "logical_block_ids",
-    "mamba_state_bytes", "match_units", "notifications_expected", "plan_dim", "plan_rank",
-    "plan_transfer", "producer_plans", "ranks_holding", "receive_sources", "seed_handshake_ranks",
-    "send_targets", "tp_ratio",
+    "TopologyError", "TransferPlan", "add_shape_arguments", "block_size_ratio",
+    "blocks_for_tokens", "canonical_dtype", "check_compatible", "check_tp_heads", "dtype_size",
+    "element_kinds", "element_layout", "engines_from_args", "head_range", "heads_per_rank",
+    "is_replicated", "kernel_block_ids", "mamba_state_bytes", "plan_dim", "plan_rank",
+    "plan_to_json", "plan_to_svg", "plan_to_text", "plan_transfer", "producer_plans",
+    "ranks_holding", "seed_handshake_ranks", "tp_ratio",
 ]

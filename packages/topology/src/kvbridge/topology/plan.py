@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 from .dtypes import canonical_dtype
 from .errors import TopologyError
-from .heads import head_range, ranks_holding
-from .spec import ConvLayout, EngineSpec, HeadOrder
+from .heads import check_tp_heads, head_range, ranks_holding
+from .spec import ConvLayout, EngineSpec, HeadOrder, mamba_state_layout
 
 
 def tp_ratio(local_tp: int, remote_tp: int) -> int | None:
@@ -406,34 +406,6 @@ def _check_head_order(local: EngineSpec, remote: EngineSpec, plan: RankPlan) -> 
         return
 
 
-def _mamba_layout(spec: EngineSpec) -> dict[str, tuple[int, int, int]]:
-    """(units, bytes per unit, offset in page) of the x, B, C and SSM pieces on one rank."""
-    m = spec.mamba
-    if m is None:  # pragma: no cover - callers check
-        raise TopologyError("not a Mamba hybrid")
-    t = spec.tp_size
-    x_unit = m.ssm_head_dim * m.conv_width * m.conv_dtype_size
-    bc_unit = m.state_size * m.conv_width * m.conv_dtype_size
-    ssm_unit = m.ssm_head_dim * m.state_size * m.ssm_dtype_size
-    heads = max(1, m.ssm_heads // t)
-    groups = max(1, m.n_groups // t)
-    x_bytes = heads * x_unit
-    bc_bytes = groups * bc_unit
-    return {
-        "x": (m.ssm_heads, x_unit, 0),
-        "B": (m.n_groups, bc_unit, x_bytes),
-        "C": (m.n_groups, bc_unit, x_bytes + bc_bytes),
-        "ssm": (m.ssm_heads, ssm_unit, x_bytes + 2 * bc_bytes),
-    }
-
-
-def mamba_state_bytes(spec: EngineSpec) -> int:
-    """Bytes of one rank's conv + SSM state of one layer (before page padding)."""
-    lay = _mamba_layout(spec)
-    units, unit, off = lay["ssm"]
-    return off + max(1, units // spec.tp_size) * unit
-
-
 def _mamba_facts(
     local: EngineSpec,
     remote: EngineSpec,
@@ -448,10 +420,8 @@ def _mamba_facts(
         raise TopologyError("not a Mamba hybrid")
     for spec in (local, remote):
         for name, units in (("SSM heads", spec.mamba.ssm_heads), ("groups", spec.mamba.n_groups)):
-            from .heads import check_tp_heads
-
             check_tp_heads(spec.tp_size, units, what=f"engine {spec.engine_id!r} Mamba {name}")
-    llay, rlay = _mamba_layout(local), _mamba_layout(remote)
+    llay, rlay = mamba_state_layout(local), mamba_state_layout(remote)
     pieces: list[MambaPiece] = []
     for name in ("x", "B", "C", "ssm"):
         units, unit, loff = llay[name]
@@ -527,8 +497,3 @@ def producer_plans(rank_plans: tuple[RankPlan, ...], remote_tp: int) -> tuple[Pr
         out.append(ProducerRankPlan(q, consumers, read_by, notify))
     return tuple(out)
 
-
-def notifications_expected(prefill: EngineSpec, decode: EngineSpec, prefill_rank: int) -> int:
-    """How many notifications ``prefill_rank`` waits for per request from ``decode``."""
-    plans = tuple(plan_rank(decode, prefill, r) for r in range(decode.tp_size))
-    return producer_plans(plans, prefill.tp_size)[prefill_rank].notifications_per_request

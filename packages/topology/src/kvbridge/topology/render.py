@@ -5,6 +5,7 @@ from __future__ import annotations
 from html import escape
 from typing import Any
 
+from .heads import head_range
 from .transfer import TransferPlan
 
 SCHEMA = "kvbridge.plan/1"
@@ -270,8 +271,6 @@ def plan_to_svg(plan: TransferPlan) -> str:
 
 
 def _heads_label(spec, rank: int) -> str:
-    from .heads import head_range
-
     if spec.use_mla:
         return "latent"
     h = head_range(spec.tp_size, spec.num_kv_heads, rank)

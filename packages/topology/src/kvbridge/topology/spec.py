@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from .dtypes import dtype_size
 from .errors import TopologyError
+from .heads import check_tp_heads, heads_per_rank, is_replicated
 
 
 class Layout(str, enum.Enum):
@@ -146,8 +147,6 @@ class EngineSpec:
         ):
             raise TopologyError(f"block_bytes must be a positive integer, got {self.block_bytes!r}")
         # Head placement must be possible on this side alone.
-        from .heads import check_tp_heads
-
         check_tp_heads(self.tp_size, self.kv_heads_for_placement, what=f"engine {self.engine_id!r}")
         if self.block_bytes is not None:
             # attention part only: a Mamba state page is checked against the real
@@ -182,14 +181,12 @@ class EngineSpec:
     @property
     def heads_per_rank(self) -> int:
         """Physical KV heads stored on each rank (1 when heads are replicated)."""
-        from .heads import heads_per_rank
-
         return heads_per_rank(self.tp_size, self.kv_heads_for_placement)
 
     @property
     def is_replicated(self) -> bool:
         """True when several ranks hold the same KV head (TP > K, or MLA with TP > 1)."""
-        return self.tp_size > self.kv_heads_for_placement
+        return is_replicated(self.tp_size, self.kv_heads_for_placement)
 
     @property
     def separate_kv_regions(self) -> bool:
@@ -236,8 +233,6 @@ class EngineSpec:
         attention = self.computed_element_bytes * self.elements_per_block_region
         if self.mamba is None:
             return attention
-        from .plan import mamba_state_bytes
-
         # hybrid models share one page between attention blocks and Mamba state
         return max(attention, mamba_state_bytes(self))
 
@@ -264,3 +259,30 @@ class EngineSpec:
         per_layer = self.heads_per_rank * self.head_dim * self.dtype_size
         return per_layer * (1 if self.use_mla else 2) * self.num_layers
 
+
+def mamba_state_layout(spec: EngineSpec) -> dict[str, tuple[int, int, int]]:
+    """(units, bytes per unit, offset in page) of the x, B, C and SSM pieces on one rank."""
+    m = spec.mamba
+    if m is None:
+        raise TopologyError(f"engine {spec.engine_id!r} is not a Mamba hybrid")
+    t = spec.tp_size
+    x_unit = m.ssm_head_dim * m.conv_width * m.conv_dtype_size
+    bc_unit = m.state_size * m.conv_width * m.conv_dtype_size
+    ssm_unit = m.ssm_head_dim * m.state_size * m.ssm_dtype_size
+    heads = max(1, m.ssm_heads // t)
+    groups = max(1, m.n_groups // t)
+    x_bytes = heads * x_unit
+    bc_bytes = groups * bc_unit
+    return {
+        "x": (m.ssm_heads, x_unit, 0),
+        "B": (m.n_groups, bc_unit, x_bytes),
+        "C": (m.n_groups, bc_unit, x_bytes + bc_bytes),
+        "ssm": (m.ssm_heads, ssm_unit, x_bytes + 2 * bc_bytes),
+    }
+
+
+def mamba_state_bytes(spec: EngineSpec) -> int:
+    """Bytes of one rank's conv + SSM state of one layer (before page padding)."""
+    lay = mamba_state_layout(spec)
+    units, unit, off = lay["ssm"]
+    return off + max(1, units // spec.tp_size) * unit
