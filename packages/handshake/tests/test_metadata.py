@@ -148,7 +148,6 @@ BAD = {
     "block size vs facts": dict(block_size=32),
     "kernel blocks": dict(kernel_blocks_per_block=3),
     "layout vs facts": dict(layout="blocks-first"),
-    "ssm sizes": dict(ssm_sizes=[0]),
     "invalid engine facts": dict(engine=EngineFacts(engine_id="prefill-0", tp_size=2,
                                                     num_kv_heads=3, head_dim=128, num_layers=4,
                                                     block_size=16)),
@@ -185,14 +184,12 @@ def test_older_payload_without_newer_fields_decodes():
     md = make_metadata(mamba_spec(2), 1)
     old = _as_dict(md)
     # fields with defaults are the ones a later version may have added
-    del old["ssm_sizes"]
     for key in ("dtype", "kernel_blocks_per_block", "head_order", "use_mla", "cross_layer",
                 "block_bytes", "extra"):
         old["engine"].pop(key)
     old["engine"]["mamba"] = {k: v for k, v in old["engine"]["mamba"].items()
                               if k not in ("conv_dtype_size", "ssm_dtype_size", "conv_layout")}
     back = decode_metadata(msgspec.msgpack.encode(old))
-    assert back.ssm_sizes == []
     assert back.engine.dtype == "bf16" and back.engine.extra == ()
     assert back.engine.mamba.conv_layout == "dim-first"
     assert back.engine.to_spec() == mamba_spec(2)  # defaults equal what was dropped
@@ -223,3 +220,12 @@ def test_encoded_size_is_compact_for_160_regions():
     data = encode_metadata(md)
     # 160 regions x (address, size, block length) must not cost more than ~20 bytes each
     assert len(data) < 160 * 20 + 1024, len(data)
+
+
+def test_payload_with_a_dropped_field_decodes():
+    """kvbridge before 0.2 sent ``ssm_sizes`` (never read); a newer decoder ignores it."""
+    md = make_metadata(mamba_spec(2), 1)
+    old = _as_dict(md)
+    old["ssm_sizes"] = [4096, 65536]
+    back = decode_metadata(msgspec.msgpack.encode(old))
+    assert back == md and metadata_problems(back) == []

@@ -67,11 +67,46 @@ def test_fetch_every_rank_and_subsets(tp):
 
 def test_hybrid_engine_metadata_round_trips():
     spec = mamba_spec(2)
-    mds = {r: msgspec.structs.replace(make_metadata(spec, r), ssm_sizes=[4096, 65536])
-           for r in range(2)}
+    mds = {r: make_metadata(spec, r) for r in range(2)}
     with MetadataServer(mds, compat_hash=HASH) as server:
         got = fetch(server, [1, 0])
-    assert got == mds and got[1].spec() == spec and got[0].ssm_sizes == [4096, 65536]
+    assert got == mds and got[1].spec() == spec
+
+
+def test_server_serves_encoded_metadata_as_given():
+    mds = engine_metadata(2)
+    blobs = {r: encode_metadata(md) for r, md in mds.items()}
+    # a blob no re-encoding could produce (a newer peer's extra field): served byte for byte
+    d = msgspec.msgpack.decode(blobs[0])
+    d["later_field"] = [1, 2, 3]
+    blobs[0] = msgspec.msgpack.encode(d)
+    with MetadataServer(blobs, compat_hash=HASH) as server:
+        assert server.incarnation == mds[0].incarnation and server.ranks == [0, 1]
+        ctx = zmq.Context()
+        try:
+            sock = ctx.socket(zmq.REQ)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.RCVTIMEO, 5000)
+            sock.connect(f"tcp://{HOST}:{server.port}")
+            sock.send(wire.encode(wire.MetadataRequest(protocol_version=PROTOCOL_VERSION,
+                                                       ranks=[0, 1])))
+            reply = wire.MESSAGE_DECODER.decode(sock.recv())
+            sock.close(linger=0)
+        finally:
+            ctx.term()
+        assert reply.metadata == [blobs[0], blobs[1]]
+        assert fetch(server, [1, 0]) == {1: mds[1], 0: mds[0]}
+        replaced = msgspec.structs.replace(mds[1], num_blocks=32)
+        server.set_metadata(1, encode_metadata(replaced))
+        assert fetch(server, [1]) == {1: replaced}
+        with pytest.raises(InvalidMetadata, match="does not decode"):
+            server.set_metadata(1, b"\x93garbage")
+        bad = msgspec.structs.replace(mds[1], region_base_addrs=[])
+        with pytest.raises(InvalidMetadata, match="region"):
+            server.set_metadata(1, encode_metadata(bad))
+        assert fetch(server, [1]) == {1: replaced}  # a refused update loses nothing
+    with pytest.raises(InvalidMetadata, match="incarnation"):
+        MetadataServer({0: blobs[0], 1: encode_metadata(engine_metadata(2)[1])}, compat_hash=HASH)
 
 
 def test_duplicate_ranks_are_asked_once():
@@ -263,14 +298,16 @@ def test_request_rejected_maps_server_error_codes():
 
 
 def test_schema_evolution_end_to_end():
-    """An older server (no compat_info, bodies without ssm_sizes) and a newer one (extra fields)."""
+    """An older server (no compat_info, bodies with the dropped ssm_sizes and without the
+    engine's later ``extra``) and a newer one (extra fields)."""
     mds = engine_metadata(2)
 
     def older(req):
         bodies = []
         for r in req["ranks"]:
             d = msgspec.msgpack.decode(encode_metadata(mds[r]))
-            del d["ssm_sizes"]
+            d["ssm_sizes"] = [4096]
+            del d["engine"]["extra"]
             bodies.append(msgspec.msgpack.encode(d))
         return _good_reply(req, mds, metadata=bodies)
 

@@ -15,7 +15,6 @@ from .errors import (
     InvalidMetadata,
     MalformedReply,
     PeerUnreachable,
-    PortAllocationError,
     RequestRejected,
     UnknownRank,
     WrongEngine,
@@ -30,7 +29,6 @@ from .metadata import (
     encode_metadata,
     metadata_problems,
 )
-from .ports import SideChannelPorts, side_channel_port
 from .server import MetadataServer, ServerStats
 from .wire import (
     ERROR_CODES,
@@ -47,8 +45,7 @@ __all__ = [
     "DEFAULT_MAX_REPLY_BYTES", "ERROR_CODES", "MEMORY_TYPES", "PROTOCOL_VERSION", "AgentMetadata",
     "EngineFacts", "ErrorReply", "HandshakeError", "HandshakeTimeout", "IncompatiblePeer",
     "InvalidMetadata", "MalformedReply", "MambaSpecFacts", "MetadataReply", "MetadataRequest",
-    "MetadataServer", "PeerUnreachable", "PortAllocationError", "RequestRejected", "ServerStats",
-    "SideChannelPorts", "UnknownRank", "WrongEngine", "check_metadata",
+    "MetadataServer", "PeerUnreachable", "RequestRejected", "ServerStats", "UnknownRank", "WrongEngine", "check_metadata",
     "compat_fields", "compatibility_hash", "decode_metadata", "encode_metadata",
-    "fetch_metadata", "metadata_problems", "new_incarnation", "side_channel_port",
+    "fetch_metadata", "metadata_problems", "new_incarnation",
 ]

@@ -142,7 +142,7 @@ def _await_reply(sock: zmq.Socket, mon: zmq.Socket, timeout: float, refused_grac
                         raise PeerUnreachable(
                             f"nothing accepts connections at {endpoint} (refused for "
                             f"{now - start:.1f} s): {who} is not running, or its side channel "
-                            f"is on another host or port (see side_channel_port)")
+                            f"is on another host or port (check its side_channel_port setting)")
         return None
     finally:
         mon.close(linger=0)
@@ -195,7 +195,7 @@ def _request(ctx: zmq.Context, endpoint: str, request: bytes, timeout: float, re
     raise HandshakeTimeout(
         f"no handshake reply from {endpoint} for ranks {want} within {timeout} s, "
         f"{retries + 1} attempts; check that {who} is running and serves its side channel on this "
-        f"host and port (see side_channel_port), and that the host is reachable"
+        f"host and port (its side_channel_port setting), and that the host is reachable"
     )
 
 

@@ -41,7 +41,3 @@ class RequestRejected(HandshakeError):
 
 class InvalidMetadata(HandshakeError, ValueError):
     """Local metadata handed to the server is inconsistent; the message says which field."""
-
-
-class PortAllocationError(HandshakeError, ValueError):
-    """A side-channel port assignment is out of range or would collide."""

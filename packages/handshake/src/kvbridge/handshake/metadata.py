@@ -8,7 +8,6 @@ ignored by an older decoder.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import operator
 
@@ -154,7 +153,6 @@ class AgentMetadata(msgspec.Struct, frozen=True, kw_only=True):
     head_order: str
     attention_backend: str
     engine: EngineFacts
-    ssm_sizes: list[int] = msgspec.field(default_factory=list)
 
     def spec(self) -> EngineSpec:
         """The remote engine description (``engine.to_spec()``)."""
@@ -246,11 +244,6 @@ def metadata_problems(md: AgentMetadata, *, check_engine: bool = True) -> list[s
             if len(problems) >= 8:
                 problems.append("(further region problems not listed)")
                 break
-    for i, s in enumerate(md.ssm_sizes):
-        if not _is_int(s) or s <= 0:
-            problems.append(f"ssm_sizes[{i}] must be a positive integer, got {s!r}")
-            break
-
     # The engine facts must describe this rank's engine.
     e = md.engine
     if check_engine:
@@ -283,11 +276,6 @@ def check_metadata(md: AgentMetadata) -> AgentMetadata:
             + "; ".join(problems)
         )
     return md
-
-
-def engine_spec_field_names() -> tuple[str, ...]:
-    """Field names of EngineSpec (EngineFacts must carry each of them)."""
-    return tuple(f.name for f in dataclasses.fields(EngineSpec))
 
 
 _ENCODER = msgspec.msgpack.Encoder()

@@ -12,7 +12,7 @@ import zmq
 
 from . import wire
 from .errors import HandshakeError, InvalidMetadata
-from .metadata import AgentMetadata, check_metadata, encode_metadata
+from .metadata import AgentMetadata, check_metadata, decode_metadata, encode_metadata
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +53,12 @@ def _short(text: object) -> str:
 class MetadataServer:
     """Serves the :class:`AgentMetadata` of the local ranks of one engine.
 
+    Each rank's metadata is given either as an :class:`AgentMetadata` (checked,
+    then encoded once) or as the bytes :func:`encode_metadata` made of it
+    (decoded and checked once, then served exactly as given): a caller that
+    already holds the encoded form never has it decoded, re-encoded and
+    copied again.
+
     Binds one ROUTER socket on ``host``:``port`` in the constructor (``port=0``
     picks a free port; read :attr:`port`), answers requests from any number of
     clients on a background thread, and stops in :meth:`close` (or on leaving a
@@ -68,7 +74,7 @@ class MetadataServer:
 
     def __init__(
         self,
-        metadata: Mapping[int, AgentMetadata],
+        metadata: Mapping[int, AgentMetadata | bytes],
         *,
         compat_hash: str,
         host: str = "127.0.0.1",
@@ -112,8 +118,8 @@ class MetadataServer:
             except zmq.ZMQError as exc:
                 raise HandshakeError(
                     f"cannot bind the side channel on {tcp_endpoint(host, port)}: {exc}; another "
-                    f"engine may hold this port (give each engine, replica and rank its own port: "
-                    f"see side_channel_port) or the host is not a local address"
+                    f"engine may hold this port (give each engine and data-parallel replica its own "
+                    f"side_channel_port) or the host is not a local address"
                 ) from exc
             endpoint = router.getsockopt(zmq.LAST_ENDPOINT).decode()
             self._port = int(endpoint.rsplit(":", 1)[1])
@@ -161,6 +167,11 @@ class MetadataServer:
         return next(iter(self._metadata.values())).engine_id
 
     @property
+    def incarnation(self) -> str:
+        """The incarnation of the engine served (the same for every rank)."""
+        return next(iter(self._metadata.values())).incarnation
+
+    @property
     def ranks(self) -> list[int]:
         """The ranks served, ascending."""
         return sorted(self._metadata)
@@ -179,8 +190,9 @@ class MetadataServer:
                 ranks_served=len(self._metadata),
             )
 
-    def set_metadata(self, rank: int, md: AgentMetadata) -> None:
-        """Add or replace the metadata of ``rank`` (same engine, TP size and incarnation)."""
+    def set_metadata(self, rank: int, md: AgentMetadata | bytes) -> None:
+        """Add or replace the metadata of ``rank`` (same engine, TP size and incarnation);
+        ``md`` may be the encoded bytes (see the class docstring)."""
         if self._closed:
             raise HandshakeError("set_metadata on a closed MetadataServer")
         self._install(rank, md)
@@ -213,9 +225,19 @@ class MetadataServer:
         return f"MetadataServer({self.address}, engine={self.engine_id!r}, ranks={self.ranks}, {state})"
 
     # ----- metadata --------------------------------------------------------
-    def _install(self, rank: int, md: AgentMetadata) -> None:
+    def _install(self, rank: int, md: AgentMetadata | bytes) -> None:
         if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
             raise InvalidMetadata(f"ranks must be non-negative integers, got {rank!r}")
+        encoded: bytes | None = None
+        if isinstance(md, (bytes, bytearray, memoryview)):
+            encoded = bytes(md)
+            try:
+                md = decode_metadata(encoded)
+            except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+                raise InvalidMetadata(
+                    f"the encoded metadata of rank {rank} does not decode: {exc}; pass the bytes "
+                    f"encode_metadata() made of an AgentMetadata"
+                ) from None
         check_metadata(md)
         if md.rank != rank:
             raise InvalidMetadata(f"metadata filed under rank {rank} says rank {md.rank}")
@@ -230,7 +252,8 @@ class MetadataServer:
                             f"{ref.rank} has {_short(getattr(ref, name))!s}; one server serves the "
                             f"ranks of one engine incarnation"
                         )
-            encoded = encode_metadata(md)
+            if encoded is None:
+                encoded = encode_metadata(md)
             # copy-on-write so the serving thread always sees consistent dicts
             self._metadata = {**self._metadata, rank: md}
             self._encoded = {**self._encoded, rank: encoded}
