@@ -67,15 +67,18 @@ def isolation(session: nox.Session) -> None:
 
 
 @nox.session(python=False)
-def gpu(session: nox.Session) -> None:
-    """Tests marked `gpu` (CUDA tensors, VRAM registration); skipped without CUDA."""
+@nox.parametrize("package", PACKAGES)
+def gpu(session: nox.Session, package: str) -> None:
+    """One package's tests marked `cuda` (CUDA tensors, VRAM registration); skipped without CUDA."""
+    tests_dir = ROOT / "packages" / package / "tests"
+    if not any("mark.cuda" in f.read_text(encoding="utf-8") for f in tests_dir.glob("test_*.py")):
+        session.skip(f"kvbridge-{package} has no tests marked cuda")
     probe = "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"
     try:
         _uv_run(session, "python", "-c", probe)
     except nox.command.CommandFailed:
         session.skip("no CUDA device here")
-    _uv_run(session, "pytest", "packages", "tests", "--ignore=tests/e2e", "-m", "gpu or cuda", "-q",
-            *session.posargs)
+    _uv_run(session, "pytest", str(tests_dir), "-m", "cuda", "-q", *session.posargs)
 
 
 @nox.session(python=False)

@@ -5,4 +5,4 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "cuda: needs a CUDA device (run by the nox gpu session)")
+    config.addinivalue_line("markers", "cuda: needs a CUDA device (run by the nox gpu(package=...) sessions)")
