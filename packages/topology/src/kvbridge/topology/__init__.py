@@ -4,24 +4,14 @@ Standard library only, so operators can plan deployments without torch or NIXL.
 """
 
 from .blocks import block_size_ratio, blocks_for_tokens, kernel_block_ids
+from .compat import check_compatible
 from .dtypes import DTYPE_ALIASES, DTYPE_SIZES, canonical_dtype, dtype_size
 from .errors import TopologyError
 from .heads import check_tp_heads, head_range, heads_per_rank, is_replicated, ranks_holding
 from .layout import KIND_K, KIND_KV, KIND_V, ElementLayout, element_kinds, element_layout
-from .plan import (
-    DimRead,
-    MambaFacts,
-    MambaPiece,
-    ProducerRankPlan,
-    RankPlan,
-    ReadOp,
-    check_compatible,
-    plan_dim,
-    plan_rank,
-    producer_plans,
-    seed_handshake_ranks,
-    tp_ratio,
-)
+from .mamba import MambaFacts, MambaPiece
+from .plan import ProducerRankPlan, RankPlan, plan_rank, producer_plans
+from .reads import DimRead, ReadOp, plan_dim, seed_handshake_ranks, tp_ratio
 from .render import plan_to_json, plan_to_svg, plan_to_text
 from .shapes import add_shape_arguments, engines_from_args
 from .spec import ConvLayout, EngineSpec, HeadOrder, Layout, MambaSpec, mamba_state_bytes

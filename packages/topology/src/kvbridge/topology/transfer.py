@@ -5,15 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .blocks import block_size_ratio
+from .compat import check_compatible
 from .layout import ElementLayout, element_layout
-from .plan import (
-    ProducerRankPlan,
-    RankPlan,
-    check_compatible,
-    plan_rank,
-    producer_plans,
-    tp_ratio,
-)
+from .plan import ProducerRankPlan, RankPlan, plan_rank, producer_plans
+from .reads import tp_ratio
 from .spec import EngineSpec, HeadOrder
 
 
