@@ -223,7 +223,7 @@ def test_encoded_size_is_compact_for_160_regions():
 
 
 def test_payload_with_a_dropped_field_decodes():
-    """kvbridge before 0.2 sent ``ssm_sizes`` (never read); a newer decoder ignores it."""
+    """Earlier kvbridge versions sent ``ssm_sizes`` (never read); the decoder ignores it."""
     md = make_metadata(mamba_spec(2), 1)
     old = _as_dict(md)
     old["ssm_sizes"] = [4096, 65536]
