@@ -6,6 +6,7 @@ repository's top-level tests/.
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import replace
 
@@ -13,10 +14,15 @@ import pytest
 
 from kvbridge.handshake import new_incarnation
 from kvbridge.memory import huge_page_bytes, huge_page_size, kernel_spec
-from kvbridge.nixl.agent import AgentConfig
-from kvbridge.nixl.engine import DecodeEngine, EngineConfig, PrefillEngine, TransferParams
-from kvbridge.nixl.ledger import FailureKind
-from kvbridge.nixl.synthetic import SyntheticCache, logical_kv
+from kvbridge.nixl import (
+    AgentConfig,
+    DecodeEngine,
+    EngineConfig,
+    FailureKind,
+    PrefillEngine,
+    TransferParams,
+)
+from kvbridge.nixl.testing.synthetic import SyntheticCache, logical_kv
 from kvbridge.topology import EngineSpec, kernel_block_ids, plan_transfer
 
 pytestmark = pytest.mark.timeout(120)
@@ -192,6 +198,36 @@ def test_prefill_restart_on_the_same_port_is_found_by_incarnation(pair):
     assert pair.dec.resource_counts()["remote_agents"] == 2
 
 
+def test_a_handshake_superseded_by_a_restart_leaves_nothing_behind(pair):
+    """The prefill engine restarts on the same host and port while the decode rank's handshake
+    with the old incarnation has finished but not been applied: the superseded peer is dropped
+    through the one drop path, so its agents, lists and descriptors are all released."""
+    address = pair.pre[0].address
+    pair.dec.prepare(pair.hold("a", [1]))  # handshake with the old incarnation, on the worker
+    entered, gate = threading.Event(), threading.Event()
+
+    def stall():
+        entered.set()
+        gate.wait(10)
+
+    pair.dec._worker.submit(stall)  # runs after that handshake; poll() has not applied it yet
+    assert entered.wait(10)
+    old = pair.dec.peers.get("prefill")
+    assert old.handshaked and not old.error and old.local_lists  # it prepared its lists
+    pair.stop_prefill()
+    pair.start_prefill(port=address[1])  # same host and port, new incarnation
+    params = pair.hold("b", [2], seed=2)
+    pair.dec.load("b", params, [5])  # supersedes the old incarnation's peer
+    gate.set()
+    done, failed, _ = pair.run(lambda d, f, r: d or f)
+    assert done == ["b"] and not failed
+    assert pair.dc.verify(logical_kv(P, 2, 16), [5], 0, 16) == 0
+    counts = pair.dec.resource_counts()
+    # one local and one remote list per prefill rank, for the new incarnation only
+    assert (counts["lists"], counts["remote_agents"], counts["peers"]) == (2 * P.tp_size, P.tp_size, 1)
+    assert not old.local_lists and not old.remote_lists and not old.descs and not old.agents
+
+
 @pytest.mark.parametrize("nixl_refuses_release", [False, True], ids=["released", "refused-then-released"])
 def test_a_read_that_never_completes_times_out(monkeypatch, nixl_refuses_release):
     """The READ stays "PROC" forever: the request fails with kind timeout and its blocks, and
@@ -283,13 +319,11 @@ def test_close_releases_everything():
 
 def _push(pair, rid, p_blocks, d_blocks, seed, **expect_kw):
     """Fill and push ``p_blocks`` into ``d_blocks``; returns the request's KV content."""
-    from kvbridge.nixl.engine import PushTarget
-
     ntok = len(p_blocks) * pair.p_spec.block_size
     kv = logical_kv(pair.p_spec, seed, ntok)
     pair.fill(kv, p_blocks)
     host, port = pair.dec.address
-    target = PushTarget("decode", host, port, 1, tuple(d_blocks), "tok-" + rid)
+    target = TransferParams("decode", host, port, 1, tuple(d_blocks), "tok-" + rid)
     pair.dec.expect(rid, "prefill", pair.p_spec.tp_size, "tok-" + rid, d_blocks, **expect_kw)
     for e in pair.pre:
         e.push(rid, p_blocks, target)
@@ -340,12 +374,12 @@ def test_push_mode_post_processes_on_the_decode_side(p_spec, kw):
 
 def test_a_failed_rearrangement_fails_the_request(monkeypatch):
     """If post-processing raises, the request is reported failed with its blocks, not done."""
-    import kvbridge.nixl.engine as engine_mod
+    import kvbridge.nixl.decode as decode_mod
 
     def broken(*args, **kwargs):
         raise RuntimeError("simulated rearrangement failure")
 
-    monkeypatch.setattr(engine_mod, "post_process", broken)
+    monkeypatch.setattr(decode_mod, "post_process", broken)
     pair = Pair(replace(CFG, mode="push"), p_spec=replace(P, block_size=8))
     try:
         pair.dec.serve()

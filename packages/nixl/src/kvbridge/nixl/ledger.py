@@ -147,9 +147,6 @@ class PrefillLedger:
         out, self._released = self._released, []
         return out
 
-    def held(self) -> list[str]:
-        return list(self._held)
-
 
 # ---------------------------------------------------------------------------
 # decode side
@@ -168,7 +165,6 @@ class FailureKind(str, enum.Enum):
     TRANSFER = "transfer-error"
     POST = "post-exception"
     TIMEOUT = "timeout"
-    SHUTDOWN = "shutdown"
 
 
 @dataclass(frozen=True)
@@ -225,9 +221,6 @@ class DecodeTracker:
     def waiting_on(self, engine: str) -> list[Tracked]:
         return [t for t in self._reqs.values() if t.engine == engine and t.state is State.WAITING]
 
-    def ready(self) -> list[Tracked]:
-        return [t for t in self._reqs.values() if t.state is State.READY]
-
     def handshake_done(self, engine: str) -> list[Tracked]:
         out = self.waiting_on(engine)
         for t in out:
@@ -273,9 +266,6 @@ class DecodeTracker:
 
     def overdue(self, now: float) -> list[Tracked]:
         return [t for t in self._reqs.values() if t.deadline <= now]
-
-    def active(self) -> list[Tracked]:
-        return list(self._reqs.values())
 
     def take_done(self) -> list[str]:
         out, self._done = self._done, []
