@@ -12,7 +12,6 @@ from dataclasses import replace
 
 import pytest
 
-from kvbridge.handshake import new_incarnation
 from kvbridge.memory import huge_page_bytes, huge_page_size, kernel_spec
 from kvbridge.nixl import (
     AgentConfig,
@@ -22,6 +21,7 @@ from kvbridge.nixl import (
     PrefillEngine,
     TransferParams,
 )
+from kvbridge.nixl.testing.local import LocalRanks
 from kvbridge.nixl.testing.synthetic import SyntheticCache, logical_kv
 from kvbridge.topology import EngineSpec, kernel_block_ids, plan_transfer
 
@@ -35,32 +35,23 @@ CFG = EngineConfig(agent=AgentConfig(num_threads=0), lease_s=30, handshake_timeo
 
 
 class Pair:
+    """A decode engine (TP 1, not served) and a prefill engine in this process."""
+
     def __init__(self, cfg: EngineConfig = CFG, p_spec: EngineSpec = P, d_spec: EngineSpec = D):
         self.cfg = cfg
         self.p_spec = p_spec
-        # the cache is allocated per kernel block; a kernel-split engine describes it as such
-        n = d_spec.kernel_blocks_per_block
-        self.dc = SyntheticCache.allocate(kernel_spec(d_spec), 0, NB * n)
-        self.dec = DecodeEngine(d_spec, 0, self.dc.cache_regions(d_spec), cfg)
+        decode = LocalRanks.start("d", d_spec, [0], NB, cfg, serve=False)
+        self.dc, self.dec = decode.caches[0], decode.engines[0]
         self.start_prefill()
 
     def start_prefill(self, port=0):
-        inc = new_incarnation()
-        n = self.p_spec.kernel_blocks_per_block  # allocated per kernel block, as for the decode side
-        self.pc = [SyntheticCache.allocate(kernel_spec(self.p_spec), r, NB * n)
-                   for r in range(self.p_spec.tp_size)]
-        self.pre = [PrefillEngine(self.p_spec, r, self.pc[r].cache_regions(self.p_spec), self.cfg,
-                                  incarnation=inc)
-                    for r in range(self.p_spec.tp_size)]
-        srv = self.pre[0].serve(port=port)
-        for e in self.pre[1:]:
-            e.serve(srv)
+        self.prefill = LocalRanks.start("p", self.p_spec, range(self.p_spec.tp_size), NB, self.cfg, port=port)
+        self.pc = list(self.prefill.caches.values())
+        self.pre = list(self.prefill.engines.values())
 
     def fill(self, kv, blocks):
         """Write ``kv`` into the prefill caches' logical ``blocks`` (their kernel blocks)."""
-        ids = list(kernel_block_ids(blocks, self.p_spec.kernel_blocks_per_block))
-        for c in self.pc:
-            c.fill(kv, ids)
+        self.prefill.fill(kv, blocks)
 
     def stop_prefill(self):
         for e in self.pre:

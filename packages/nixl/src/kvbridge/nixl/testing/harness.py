@@ -24,10 +24,9 @@ from kvbridge.handshake import new_incarnation
 from kvbridge.topology import EngineSpec, plan_transfer
 
 from ..config import EngineConfig, TransferParams
-from ..decode import DecodeEngine
 from ..messages import new_token
-from ..prefill import PrefillEngine
-from .synthetic import SyntheticCache, logical_kv
+from .local import LocalRanks
+from .synthetic import logical_kv
 
 _CTX = mp.get_context("spawn")
 
@@ -57,17 +56,11 @@ def _child(conn: Connection, role: str, spec: EngineSpec, ranks: list[int], num_
 
 
 def _child_loop(conn, role, spec, ranks, num_blocks, config, incarnation, serve_first) -> None:
-
     torch.set_num_threads(1)
-    caches = {r: SyntheticCache.allocate(spec, r, num_blocks) for r in ranks}
-    cls = PrefillEngine if role == "p" else DecodeEngine
-    engines = {r: cls(spec, r, caches[r].cache_regions(), config, incarnation=incarnation) for r in ranks}
-    server = None
-    if serve_first:
-        first = engines[ranks[0]]
-        server = first.serve()
-        for r in ranks[1:]:
-            engines[r].serve(server)
+    local = LocalRanks.start(role, spec, ranks, num_blocks, config, incarnation=incarnation,
+                             serve=serve_first)
+    caches, engines, server = local.caches, local.engines, local.server
+    if server is not None:
         conn.send(("ready", server.host, server.port, None))
     else:
         conn.send(("ready", None, None, {r: e.metadata() for r, e in engines.items()}))
@@ -170,10 +163,7 @@ def _child_loop(conn, role, spec, ranks, num_blocks, config, incarnation, serve_
                 loaded_at.pop(rid, None)
             if not to_verify:
                 verify_now = False
-    for e in engines.values():
-        e.close()
-    if server is not None:
-        server.close()
+    local.close()
     conn.send(("closed", None))
 
 
