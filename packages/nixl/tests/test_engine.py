@@ -101,6 +101,24 @@ def test_pull_verifies_and_releases(pair):
     assert pair.dc.verify(logical_kv(P, 1, 48), [9, 10, 2], 0, 48) == 0
 
 
+def test_reads_posted_on_the_callers_thread():
+    """post_in_background=False: the READs are built and posted by load() (peer ready) or by the
+    poll() that applies the handshake (peer new)."""
+    pair = Pair(replace(CFG, post_in_background=False))
+    try:
+        pair.dec.load("a", pair.hold("a", [3, 1]), [9, 10])  # new peer: posted once handshaken
+        done, failed, _ = pair.run(lambda d, f, r: d == ["a"] and len(r) == 2)
+        assert not failed
+        pair.dec.load("b", pair.hold("b", [5], seed=2), [4])  # peer ready: posted inside load()
+        assert pair.dec.stats.posts == 2
+        done, failed, _ = pair.run(lambda d, f, r: d == ["b"] and len(r) == 2)
+        assert not failed and pair.dec.stats.handshakes == 1
+        assert pair.dc.verify(logical_kv(P, 1, 32), [9, 10], 0, 32) == 0
+        assert pair.dc.verify(logical_kv(P, 2, 16), [4], 0, 16) == 0
+    finally:
+        pair.close()
+
+
 def test_requests_wait_for_the_handshake_and_fail_with_it(pair):
     dead = TransferParams("ghost", "127.0.0.1", 1, 2, (1, 2), "tok")
     pair.dec.load("x", dead, [4, 5])

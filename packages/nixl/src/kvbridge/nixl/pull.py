@@ -113,7 +113,7 @@ class PullReads(DecodeMode):
         rp = e._rank_plan(peer.plan)
         if not rp.source_ranks:
             return (time.perf_counter() - t0) * 1e6
-        remote_blocks = peer.infos[rp.source_ranks[0]].num_blocks
+        remote_blocks = min(peer.infos[q].num_blocks for q in rp.source_ranks)
         rids = block_id_array(ld.params.block_ids, remote_blocks, "prefill")
         skip = ld.computed_tokens // e.spec.block_size
         msg = encode_notification(Notification(Kind.DONE, ld.remote_id, e.spec.tp_size, e.rank, ld.token))
