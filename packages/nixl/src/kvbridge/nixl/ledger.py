@@ -24,7 +24,6 @@ class HeldRequest:
     token: str
     deadline: float
     decode_tp: int | None = None
-    expected: int | None = None
     consumers: frozenset[int] = frozenset()
     notified_by: set[int] = field(default_factory=set)
 
@@ -119,7 +118,7 @@ class PrefillLedger:
             self.stats.notifications_unassigned += 1
             return "unassigned"
         if req.decode_tp is None:  # the first accepted DONE fixes the decode TP
-            req.decode_tp, req.expected, req.consumers = n.decode_tp, len(consumers), consumers
+            req.decode_tp, req.consumers = n.decode_tp, consumers
         if n.decode_rank in req.notified_by:
             self.stats.notifications_duplicate += 1
             return "duplicate"
