@@ -98,6 +98,9 @@ class PrefillMode:
     def on_handshake(self, peer: Peer, err: str | None) -> None:
         """A handshake this rank started ended (caller thread)."""
 
+    def on_event(self, event: tuple) -> None:
+        """An event a worker job of this mode queued (caller thread)."""
+
     def poll(self, now: float) -> list[Released]:
         """Advance this mode's requests; returns the ones whose blocks are free."""
         return []

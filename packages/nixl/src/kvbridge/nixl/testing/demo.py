@@ -12,7 +12,10 @@ import time
 import numpy as np
 
 from kvbridge.topology import TopologyError, plan_transfer
+
+# not exported by kvbridge.topology's __init__ (yet): the shared shape flags and the plan's text form
 from kvbridge.topology.cli import add_shape_arguments, engines_from_args
+from kvbridge.topology.render import plan_to_text
 
 from ..agent import AgentConfig
 from ..config import EngineConfig
@@ -102,8 +105,6 @@ def demo_command(argv: list[str]) -> int:
     except TopologyError as exc:
         print(f"kvbridge demo: error: {exc}", file=sys.stderr)
         return 2
-    from kvbridge.topology.render import plan_to_text
-
     print(plan_to_text(plan).rstrip())
     n_p = args.blocks
     n_d = _d_blocks_for(n_p, prefill.block_size, decode.block_size)
