@@ -7,8 +7,8 @@ import re
 
 import pytest
 
-from kvbridge.nixl.bench import KEYS
-from kvbridge.nixl.cli import bench_command, demo_command
+from kvbridge.nixl.testing.bench import KEYS, bench_command
+from kvbridge.nixl.testing.demo import demo_command
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -39,3 +39,11 @@ def test_bench_json_has_exactly_the_documented_keys(capsys):
     assert tuple(data) == KEYS
     assert all(isinstance(v, float) and v > 0 for v in data.values())
     assert data["naive_desc_prep_ms"] > data["desc_prep_ms"]
+
+
+def test_demo_help_names_only_flags_it_has(capsys):
+    with pytest.raises(SystemExit) as exc:
+        demo_command(["--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert "--layout" in out and "--mamba" not in out

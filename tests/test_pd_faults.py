@@ -7,9 +7,8 @@ from dataclasses import replace
 
 import pytest
 
-from kvbridge.nixl.agent import AgentConfig
-from kvbridge.nixl.engine import EngineConfig
-from kvbridge.nixl.harness import Cluster, spec_pair
+from kvbridge.nixl import AgentConfig, EngineConfig
+from kvbridge.nixl.testing.harness import Cluster, spec_pair
 
 pytestmark = pytest.mark.timeout(400)
 

@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from kvbridge.nixl.engine import EngineConfig
-from kvbridge.nixl.harness import Cluster, spec_pair
+from kvbridge.nixl import EngineConfig
+from kvbridge.nixl.testing.harness import Cluster, spec_pair
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from kvbridge.nixl.agent import AgentConfig, NixlAgent, NixlError, expand_strided
+from kvbridge.memory import expand_strided
+from kvbridge.nixl.agent import AgentConfig, NixlAgent, NixlError
 
 
 @pytest.fixture(scope="module")

@@ -6,17 +6,23 @@ repository's top-level tests/.
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import replace
 
 import pytest
 
-from kvbridge.handshake import new_incarnation
 from kvbridge.memory import huge_page_bytes, huge_page_size, kernel_spec
-from kvbridge.nixl.agent import AgentConfig
-from kvbridge.nixl.engine import DecodeEngine, EngineConfig, PrefillEngine, TransferParams
-from kvbridge.nixl.ledger import FailureKind
-from kvbridge.nixl.synthetic import SyntheticCache, logical_kv
+from kvbridge.nixl import (
+    AgentConfig,
+    DecodeEngine,
+    EngineConfig,
+    FailureKind,
+    PrefillEngine,
+    TransferParams,
+)
+from kvbridge.nixl.testing.local import LocalRanks
+from kvbridge.nixl.testing.synthetic import SyntheticCache, logical_kv
 from kvbridge.topology import EngineSpec, kernel_block_ids, plan_transfer
 
 pytestmark = pytest.mark.timeout(120)
@@ -29,32 +35,23 @@ CFG = EngineConfig(agent=AgentConfig(num_threads=0), lease_s=30, handshake_timeo
 
 
 class Pair:
+    """A decode engine (TP 1, not served) and a prefill engine in this process."""
+
     def __init__(self, cfg: EngineConfig = CFG, p_spec: EngineSpec = P, d_spec: EngineSpec = D):
         self.cfg = cfg
         self.p_spec = p_spec
-        # the cache is allocated per kernel block; a kernel-split engine describes it as such
-        n = d_spec.kernel_blocks_per_block
-        self.dc = SyntheticCache.allocate(kernel_spec(d_spec), 0, NB * n)
-        self.dec = DecodeEngine(d_spec, 0, self.dc.cache_regions(d_spec), cfg)
+        decode = LocalRanks.start("d", d_spec, [0], NB, cfg, serve=False)
+        self.dc, self.dec = decode.caches[0], decode.engines[0]
         self.start_prefill()
 
     def start_prefill(self, port=0):
-        inc = new_incarnation()
-        n = self.p_spec.kernel_blocks_per_block  # allocated per kernel block, as for the decode side
-        self.pc = [SyntheticCache.allocate(kernel_spec(self.p_spec), r, NB * n)
-                   for r in range(self.p_spec.tp_size)]
-        self.pre = [PrefillEngine(self.p_spec, r, self.pc[r].cache_regions(self.p_spec), self.cfg,
-                                  incarnation=inc)
-                    for r in range(self.p_spec.tp_size)]
-        srv = self.pre[0].serve(port=port)
-        for e in self.pre[1:]:
-            e.serve(srv)
+        self.prefill = LocalRanks.start("p", self.p_spec, range(self.p_spec.tp_size), NB, self.cfg, port=port)
+        self.pc = list(self.prefill.caches.values())
+        self.pre = list(self.prefill.engines.values())
 
     def fill(self, kv, blocks):
         """Write ``kv`` into the prefill caches' logical ``blocks`` (their kernel blocks)."""
-        ids = list(kernel_block_ids(blocks, self.p_spec.kernel_blocks_per_block))
-        for c in self.pc:
-            c.fill(kv, ids)
+        self.prefill.fill(kv, blocks)
 
     def stop_prefill(self):
         for e in self.pre:
@@ -102,6 +99,24 @@ def test_pull_verifies_and_releases(pair):
     assert done == ["a"] and not failed
     assert {(r.request_id, r.reason) for r in released} == {("a", "notified")}
     assert pair.dc.verify(logical_kv(P, 1, 48), [9, 10, 2], 0, 48) == 0
+
+
+def test_reads_posted_on_the_callers_thread():
+    """post_in_background=False: the READs are built and posted by load() (peer ready) or by the
+    poll() that applies the handshake (peer new)."""
+    pair = Pair(replace(CFG, post_in_background=False))
+    try:
+        pair.dec.load("a", pair.hold("a", [3, 1]), [9, 10])  # new peer: posted once handshaken
+        done, failed, _ = pair.run(lambda d, f, r: d == ["a"] and len(r) == 2)
+        assert not failed
+        pair.dec.load("b", pair.hold("b", [5], seed=2), [4])  # peer ready: posted inside load()
+        assert pair.dec.stats.posts == 2
+        done, failed, _ = pair.run(lambda d, f, r: d == ["b"] and len(r) == 2)
+        assert not failed and pair.dec.stats.handshakes == 1
+        assert pair.dc.verify(logical_kv(P, 1, 32), [9, 10], 0, 32) == 0
+        assert pair.dc.verify(logical_kv(P, 2, 16), [4], 0, 16) == 0
+    finally:
+        pair.close()
 
 
 def test_requests_wait_for_the_handshake_and_fail_with_it(pair):
@@ -190,6 +205,36 @@ def test_prefill_restart_on_the_same_port_is_found_by_incarnation(pair):
     assert pair.dec.stats.handshakes == 2 and pair.dec.stats.stale_agents_dropped == 1
     assert not (old_agents & set(pair.dec.agent.remote_agents))
     assert pair.dec.resource_counts()["remote_agents"] == 2
+
+
+def test_a_handshake_superseded_by_a_restart_leaves_nothing_behind(pair):
+    """The prefill engine restarts on the same host and port while the decode rank's handshake
+    with the old incarnation has finished but not been applied: the superseded peer is dropped
+    through the one drop path, so its agents, lists and descriptors are all released."""
+    address = pair.pre[0].address
+    pair.dec.prepare(pair.hold("a", [1]))  # handshake with the old incarnation, on the worker
+    entered, gate = threading.Event(), threading.Event()
+
+    def stall():
+        entered.set()
+        gate.wait(10)
+
+    pair.dec._worker.submit(stall)  # runs after that handshake; poll() has not applied it yet
+    assert entered.wait(10)
+    old = pair.dec.peers.get("prefill")
+    assert old.handshaked and not old.error and old.local_lists  # it prepared its lists
+    pair.stop_prefill()
+    pair.start_prefill(port=address[1])  # same host and port, new incarnation
+    params = pair.hold("b", [2], seed=2)
+    pair.dec.load("b", params, [5])  # supersedes the old incarnation's peer
+    gate.set()
+    done, failed, _ = pair.run(lambda d, f, r: d or f)
+    assert done == ["b"] and not failed
+    assert pair.dc.verify(logical_kv(P, 2, 16), [5], 0, 16) == 0
+    counts = pair.dec.resource_counts()
+    # one local and one remote list per prefill rank, for the new incarnation only
+    assert (counts["lists"], counts["remote_agents"], counts["peers"]) == (2 * P.tp_size, P.tp_size, 1)
+    assert not old.local_lists and not old.remote_lists and not old.descs and not old.agents
 
 
 @pytest.mark.parametrize("nixl_refuses_release", [False, True], ids=["released", "refused-then-released"])
@@ -283,13 +328,11 @@ def test_close_releases_everything():
 
 def _push(pair, rid, p_blocks, d_blocks, seed, **expect_kw):
     """Fill and push ``p_blocks`` into ``d_blocks``; returns the request's KV content."""
-    from kvbridge.nixl.engine import PushTarget
-
     ntok = len(p_blocks) * pair.p_spec.block_size
     kv = logical_kv(pair.p_spec, seed, ntok)
     pair.fill(kv, p_blocks)
     host, port = pair.dec.address
-    target = PushTarget("decode", host, port, 1, tuple(d_blocks), "tok-" + rid)
+    target = TransferParams("decode", host, port, 1, tuple(d_blocks), "tok-" + rid)
     pair.dec.expect(rid, "prefill", pair.p_spec.tp_size, "tok-" + rid, d_blocks, **expect_kw)
     for e in pair.pre:
         e.push(rid, p_blocks, target)
@@ -340,12 +383,12 @@ def test_push_mode_post_processes_on_the_decode_side(p_spec, kw):
 
 def test_a_failed_rearrangement_fails_the_request(monkeypatch):
     """If post-processing raises, the request is reported failed with its blocks, not done."""
-    import kvbridge.nixl.engine as engine_mod
+    import kvbridge.nixl.decode as decode_mod
 
     def broken(*args, **kwargs):
         raise RuntimeError("simulated rearrangement failure")
 
-    monkeypatch.setattr(engine_mod, "post_process", broken)
+    monkeypatch.setattr(decode_mod, "post_process", broken)
     pair = Pair(replace(CFG, mode="push"), p_spec=replace(P, block_size=8))
     try:
         pair.dec.serve()

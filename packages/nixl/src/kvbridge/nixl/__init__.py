@@ -1,32 +1,39 @@
-"""kvbridge transfer engine on NVIDIA NIXL, ``kvbridge demo`` and ``kvbridge bench``.
+"""kvbridge transfer engine on NVIDIA NIXL.
 
 One :class:`PrefillEngine` or :class:`DecodeEngine` per TP rank; see docs/nixl.md.
 Engines take :class:`kvbridge.memory.CacheRegions` (or KV-cache tensors) and build
 descriptors with :mod:`kvbridge.memory`, so importing this package imports torch.
-The synthetic caches used by the demo, bench and tests live in
-:mod:`kvbridge.nixl.synthetic`.
+
+Modules, by concept: :mod:`~kvbridge.nixl.config` (records), :mod:`~kvbridge.nixl.agent`
+(one NIXL agent), :mod:`~kvbridge.nixl.peers` (remote engines), :mod:`~kvbridge.nixl.worker`
+(the background thread), :mod:`~kvbridge.nixl.rank` (what both roles share),
+:mod:`~kvbridge.nixl.decode` and :mod:`~kvbridge.nixl.prefill` (the two roles),
+:mod:`~kvbridge.nixl.modes`, :mod:`~kvbridge.nixl.pull` and :mod:`~kvbridge.nixl.push`
+(the two transfer directions), :mod:`~kvbridge.nixl.ledger` (request bookkeeping),
+:mod:`~kvbridge.nixl.messages` (notifications), :mod:`~kvbridge.nixl.stats` (counters).
+``kvbridge demo``, ``kvbridge bench``, the multi-process harness and the synthetic
+caches live in :mod:`kvbridge.nixl.testing`, outside the runtime path.
 """
 
 from .agent import AgentConfig, NixlAgent, NixlError, PreparedList, Telemetry, Transfer
-from .engine import (
-    DecodeEngine,
+from .config import (
     DecodeEvents,
     EngineConfig,
     HandshakeFailed,
-    PrefillEngine,
-    PushTarget,
     TransferParams,
     TransferRecord,
     engine_compat_hash,
 )
+from .decode import DecodeEngine
 from .ledger import DecodeTracker, Failed, FailureKind, PrefillLedger, Released
 from .messages import Kind, Notification, encode_notification, new_token, parse_notification
+from .prefill import PrefillEngine
 from .stats import Stats
 
 __all__ = [
     "AgentConfig", "DecodeEngine", "DecodeEvents", "DecodeTracker", "EngineConfig",
     "Failed", "FailureKind", "HandshakeFailed", "Kind", "NixlAgent", "NixlError", "Notification",
-    "PrefillEngine", "PrefillLedger", "PreparedList", "PushTarget", "Released", "Stats", "Telemetry",
+    "PrefillEngine", "PrefillLedger", "PreparedList", "Released", "Stats", "Telemetry",
     "Transfer", "TransferParams", "TransferRecord", "encode_notification", "engine_compat_hash", "new_token",
     "parse_notification",
 ]

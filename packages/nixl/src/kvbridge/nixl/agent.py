@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
 
-from kvbridge.memory import expand_strided as expand_rows
+from kvbridge.memory import expand_strided
 
 log = logging.getLogger("kvbridge.nixl")
 
@@ -125,13 +126,6 @@ def descs_array(rows: np.ndarray | Sequence[Sequence[int]]) -> np.ndarray:
     return arr
 
 
-def expand_strided(arr: np.ndarray) -> np.ndarray:
-    """Expand an N x 5 strided array into the equivalent N x 3 array (row-major, then count);
-    N x 3 arrays pass through. The expansion is :func:`kvbridge.memory.expand_strided`."""
-    arr = descs_array(arr)
-    return arr if arr.shape[1] == 3 else expand_rows(arr)
-
-
 class NixlAgent:
     """One rank's NIXL agent with every resource it creates tracked and released on close."""
 
@@ -189,12 +183,20 @@ class NixlAgent:
         with self._lock:
             return frozenset(self._remotes)
 
-    def try_lock(self) -> bool:
-        """Take this agent's lock without waiting (see :meth:`unlock`)."""
-        return self._lock.acquire(blocking=False)
+    @contextmanager
+    def turn(self, wait: bool = True) -> Iterator[bool]:
+        """Hold this agent for a sequence of calls no other thread may interleave with.
 
-    def unlock(self) -> None:
-        self._lock.release()
+        Yields True while held. With ``wait=False`` it yields False at once, holding
+        nothing, when another thread is inside a NIXL call: a caller that must never
+        block (an engine's ``poll()``) skips its round instead.
+        """
+        got = self._lock.acquire(blocking=wait)
+        try:
+            yield got
+        finally:
+            if got:
+                self._lock.release()
 
     def _check(self) -> None:
         if self._closed:
@@ -290,6 +292,26 @@ class NixlAgent:
                 self._strided_ok = False
                 return self.prepare(peer, expand_strided(arr), mem_type)
             lst = PreparedList(self, h, peer, n, strided)
+            self._lists.add(lst)
+            return lst
+
+    def prepare_tuples(self, peer: str | None, descs: Sequence[tuple[int, int, int]],
+                       mem_type: MemType = "DRAM") -> PreparedList:
+        """Prepare a list from per-descriptor ``(addr, len, device)`` tuples, handed to NIXL as
+        they are (NIXL's per-block Python path; ``kvbridge bench`` measures it as the naive
+        baseline of :meth:`prepare`)."""
+        target = self.LOCAL if peer is None else peer
+        with self._lock:
+            self._check()
+            if peer is not None and peer not in self._remotes:
+                raise NixlError(f"agent {self.name!r}: no remote agent {peer!r}; add its metadata first")
+            try:
+                h = self._agent.prep_xfer_dlist(target, list(descs), mem_type)
+            except Exception as exc:
+                raise NixlError(
+                    f"agent {self.name!r}: preparing {len(descs)} descriptors for {target!r} failed: {exc}"
+                ) from exc
+            lst = PreparedList(self, h, peer, len(descs), False)
             self._lists.add(lst)
             return lst
 
@@ -446,9 +468,3 @@ class NixlAgent:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def iter_notifications(notifs: dict[str, list[bytes]]) -> Iterable[tuple[str, bytes]]:
-    for peer, msgs in notifs.items():
-        for m in msgs:
-            yield peer, m

@@ -24,7 +24,6 @@ class HeldRequest:
     token: str
     deadline: float
     decode_tp: int | None = None
-    expected: int | None = None
     consumers: frozenset[int] = frozenset()
     notified_by: set[int] = field(default_factory=set)
 
@@ -119,7 +118,7 @@ class PrefillLedger:
             self.stats.notifications_unassigned += 1
             return "unassigned"
         if req.decode_tp is None:  # the first accepted DONE fixes the decode TP
-            req.decode_tp, req.expected, req.consumers = n.decode_tp, len(consumers), consumers
+            req.decode_tp, req.consumers = n.decode_tp, consumers
         if n.decode_rank in req.notified_by:
             self.stats.notifications_duplicate += 1
             return "duplicate"
@@ -147,9 +146,6 @@ class PrefillLedger:
         out, self._released = self._released, []
         return out
 
-    def held(self) -> list[str]:
-        return list(self._held)
-
 
 # ---------------------------------------------------------------------------
 # decode side
@@ -168,7 +164,6 @@ class FailureKind(str, enum.Enum):
     TRANSFER = "transfer-error"
     POST = "post-exception"
     TIMEOUT = "timeout"
-    SHUTDOWN = "shutdown"
 
 
 @dataclass(frozen=True)
@@ -225,9 +220,6 @@ class DecodeTracker:
     def waiting_on(self, engine: str) -> list[Tracked]:
         return [t for t in self._reqs.values() if t.engine == engine and t.state is State.WAITING]
 
-    def ready(self) -> list[Tracked]:
-        return [t for t in self._reqs.values() if t.state is State.READY]
-
     def handshake_done(self, engine: str) -> list[Tracked]:
         out = self.waiting_on(engine)
         for t in out:
@@ -273,9 +265,6 @@ class DecodeTracker:
 
     def overdue(self, now: float) -> list[Tracked]:
         return [t for t in self._reqs.values() if t.deadline <= now]
-
-    def active(self) -> list[Tracked]:
-        return list(self._reqs.values())
 
     def take_done(self) -> list[str]:
         out, self._done = self._done, []

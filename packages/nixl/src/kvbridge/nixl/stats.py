@@ -64,7 +64,3 @@ class Stats:
     def gbps(self) -> float:
         """Bytes over summed NIXL transfer time (GB/s), 0 when unknown."""
         return self.bytes / (self.xfer_us * 1e3) if self.xfer_us else 0.0
-
-    def as_dict(self) -> dict[str, object]:
-        return {f.name: (dict(getattr(self, f.name)) if f.name == "failures" else getattr(self, f.name))
-                for f in fields(self)}

@@ -18,9 +18,15 @@ import traceback
 from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection, wait
 
+import torch
+
+from kvbridge.handshake import new_incarnation
 from kvbridge.topology import EngineSpec, plan_transfer
 
-from .engine import EngineConfig, PushTarget, TransferParams
+from ..config import EngineConfig, TransferParams
+from ..messages import new_token
+from .local import LocalRanks
+from .synthetic import logical_kv
 
 _CTX = mp.get_context("spawn")
 
@@ -50,21 +56,11 @@ def _child(conn: Connection, role: str, spec: EngineSpec, ranks: list[int], num_
 
 
 def _child_loop(conn, role, spec, ranks, num_blocks, config, incarnation, serve_first) -> None:
-    import torch
-
-    from .engine import DecodeEngine, PrefillEngine
-    from .synthetic import SyntheticCache, logical_kv
-
     torch.set_num_threads(1)
-    caches = {r: SyntheticCache.allocate(spec, r, num_blocks) for r in ranks}
-    cls = PrefillEngine if role == "p" else DecodeEngine
-    engines = {r: cls(spec, r, caches[r].cache_regions(), config, incarnation=incarnation) for r in ranks}
-    server = None
-    if serve_first:
-        first = engines[ranks[0]]
-        server = first.serve()
-        for r in ranks[1:]:
-            engines[r].serve(server)
+    local = LocalRanks.start(role, spec, ranks, num_blocks, config, incarnation=incarnation,
+                             serve=serve_first)
+    caches, engines, server = local.caches, local.engines, local.server
+    if server is not None:
         conn.send(("ready", server.host, server.port, None))
     else:
         conn.send(("ready", None, None, {r: e.metadata() for r, e in engines.items()}))
@@ -167,10 +163,7 @@ def _child_loop(conn, role, spec, ranks, num_blocks, config, incarnation, serve_
                 loaded_at.pop(rid, None)
             if not to_verify:
                 verify_now = False
-    for e in engines.values():
-        e.close()
-    if server is not None:
-        server.close()
+    local.close()
     conn.send(("closed", None))
 
 
@@ -204,8 +197,6 @@ class EngineGroup:
 
     def __init__(self, role: str, spec: EngineSpec, num_blocks: int, config: EngineConfig,
                  ranks_per_process: int | None = None, incarnation: str | None = None):
-        from kvbridge.handshake import new_incarnation
-
         self.role, self.spec, self.num_blocks, self.config = role, spec, num_blocks, config
         self.incarnation = incarnation or new_incarnation()
         per = ranks_per_process or spec.tp_size
@@ -247,12 +238,6 @@ class EngineGroup:
                 c.send(("advertise", (self.host, self.port)))
                 _expect_ok(c, timeout, lambda msg: None)
         self.alive = True
-
-    def owner(self, rank: int) -> int:
-        for i, g in enumerate(self.groups):
-            if rank in g:
-                return i
-        raise ValueError(rank)
 
     def broadcast(self, cmd: str, arg, sink, timeout: float = 60.0) -> None:
         """Send a command to every process; events that arrive before the replies go to ``sink``."""
@@ -342,8 +327,6 @@ class Cluster:
                num_tokens: int | None = None, computed_tokens: int = 0, token: str | None = None,
                load: bool = True, fill: bool = True, verify: bool = True) -> TransferParams:
         """Fill and hold the prefill blocks, then make the decode engine load (or await) them."""
-        from .messages import new_token
-
         ntok = num_tokens if num_tokens is not None else len(p_blocks) * self.prefill.spec.block_size
         if fill:
             self.fill(seed, p_blocks, ntok)
@@ -359,8 +342,8 @@ class Cluster:
         else:
             self.decode.broadcast("expect", (rid, params, list(d_blocks), computed_tokens, seed, ntok,
                                              self.prefill.spec, verify), self._absorb)
-            target = PushTarget(dspec.engine_id, self.decode.host, self.decode.port, dspec.tp_size,
-                                tuple(d_blocks), token, computed_tokens)
+            target = TransferParams(dspec.engine_id, self.decode.host, self.decode.port, dspec.tp_size,
+                                    tuple(d_blocks), token, computed_tokens=computed_tokens)
             self.prefill.broadcast("push", (rid, list(p_blocks), target), self._absorb)
         return params
 

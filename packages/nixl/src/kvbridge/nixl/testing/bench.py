@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -34,9 +35,10 @@ import numpy as np
 from kvbridge.memory import RegionGeometry, rank_descriptors
 from kvbridge.topology import EngineSpec, element_layout, plan_rank
 
-from .agent import AgentConfig, NixlAgent
-from .engine import EngineConfig
+from ..agent import AgentConfig, NixlAgent
+from ..config import EngineConfig
 from .harness import Cluster
+from .memcpy import memcpy_gbps
 
 KEYS = ("memcpy_gbps", "transfer_gbps_contiguous", "transfer_gbps_fragmented", "first_request_ms",
         "post_overhead_us", "desc_prep_ms", "naive_desc_prep_ms", "naive_transfer_gbps_fragmented")
@@ -102,17 +104,15 @@ def desc_prep(layers: int = 80, num_blocks: int = 2048) -> tuple[float, float]:
             lst.release()
             t = time.perf_counter()
             tuples = [(b + j * element_bytes, element_bytes, 0) for b in bases for j in range(num_blocks)]
-            h = agent._agent.prep_xfer_dlist("NIXL_INIT_AGENT", tuples, "DRAM")
+            naive_list = agent.prepare_tuples(None, tuples)
             naive.append(time.perf_counter() - t)
-            h.release()
+            naive_list.release()
         return min(fast) * 1e3, min(naive) * 1e3
     finally:
         agent.close()
 
 
 def run(args: argparse.Namespace) -> dict[str, float]:
-    from .cli import memcpy_gbps
-
     out: dict[str, float] = {}
     blocks = args.tokens // 16
     out["memcpy_gbps"] = memcpy_gbps()
@@ -179,3 +179,9 @@ def main(argv: list[str]) -> int:
     else:
         _print_table(r)
     return 0
+
+
+def bench_command(argv: list[str]) -> int:
+    """The ``kvbridge bench`` entry point."""
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # keep --json output clean
+    return main(argv)

@@ -1,0 +1,125 @@
+"""The engine's records: its knobs, one request's parameters, finished-transfer records, events."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from kvbridge.handshake import HandshakeError, compatibility_hash
+from kvbridge.topology import EngineSpec
+
+from .agent import AgentConfig
+from .ledger import Failed
+
+MODES = ("pull", "push")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine knobs (all times in seconds)."""
+
+    agent: AgentConfig = field(default_factory=AgentConfig)
+    #: ``pull``: decode ranks READ from prefill ranks; ``push``: prefill ranks WRITE into decode ranks
+    mode: str = "pull"
+    lease_s: float = 30.0
+    renew_interval_s: float = 10.0
+    handshake_timeout_s: float = 5.0
+    transfer_timeout_s: float = 60.0
+    allow_strided: bool = True
+    mem_type: str = "DRAM"
+    #: back host-memory (DRAM) caches with transparent huge pages before registering them
+    #: (``kvbridge.memory.advise_huge_pages``): host READs pin pages as they copy, and on
+    #: 4 KiB pages that costs about a third of the bandwidth; ignored for VRAM
+    huge_pages: bool = True
+    #: build and post READs on the worker thread, so load() and poll() never wait for NIXL
+    #: (over UCX in host memory NIXL performs the copy inside the post call)
+    post_in_background: bool = True
+    #: model identity and attention backend for the handshake's compatibility hash
+    model: str = "kvbridge-synthetic"
+    attention_backend: str = "kvbridge"
+    #: refuse peers whose compatibility hash differs (turn off only when you vouch for the pair)
+    enforce_compat: bool = True
+    #: how often the engine's worker lets NIXL progress while idle (seconds; 0: only in
+    #: poll() and while transfers run). Without it, and without NIXL's progress thread
+    #: (``AgentConfig.progress_thread``), a peer's connection set-up waits for this
+    #: side's next poll()
+    progress_interval_s: float = 0.001
+    #: keep one :class:`TransferRecord` per finished transfer (drain with ``take_records()``);
+    #: at most ``max_records`` are kept between drains
+    record_transfers: bool = False
+    max_records: int = 4096
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be 'pull' or 'push', got {self.mode!r}")
+        for name in ("lease_s", "renew_interval_s", "handshake_timeout_s", "transfer_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive seconds")
+        if not 0 <= self.progress_interval_s <= 1:
+            raise ValueError(f"progress_interval_s must be within [0, 1] seconds, got "
+                             f"{self.progress_interval_s!r}")
+
+
+@dataclass(frozen=True)
+class TransferParams:
+    """One request as a peer engine holds it: where that engine is, its blocks, the token.
+
+    Pull mode: what a prefill engine hands out for a request (:meth:`PrefillEngine.hold`),
+    passed through the router to the decode engine's :meth:`DecodeEngine.load`.
+    ``request_id`` is the id the prefill engine holds the request under; the decode
+    side names it in its notifications. Empty means the decode side uses the same id
+    as the prefill side.
+
+    Push mode: where a prefill engine writes a request (:meth:`PrefillEngine.push`):
+    the decode engine's address, TP size, blocks and the token it expects, and
+    ``computed_tokens``, the tokens the decode engine already holds (a prefix hit:
+    ``block_ids`` start after them).
+    """
+
+    engine_id: str
+    host: str
+    port: int
+    tp_size: int
+    block_ids: tuple[int, ...]
+    token: str
+    incarnation: str = ""
+    request_id: str = ""
+    computed_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class TransferRecord:
+    """One finished transfer (NIXL telemetry), for callers that keep per-transfer figures."""
+
+    op: str  # "READ" or "WRITE"
+    peer_engine: str
+    bytes: int
+    descriptors: int
+    post_us: int
+    xfer_us: int
+
+
+@dataclass(frozen=True)
+class DecodeEvents:
+    """What :meth:`DecodeEngine.poll` reports: requests done, requests failed."""
+
+    done: list[str]
+    failed: list[Failed]
+
+
+class HandshakeFailed(HandshakeError):
+    """The peer's metadata does not describe what the request said (TP size, incarnation)."""
+
+
+def engine_compat_hash(spec: EngineSpec, config: EngineConfig) -> str:
+    """The handshake compatibility hash of an engine.
+
+    Cache layouts are not hashed: kvbridge plans transfers between different
+    layouts and the topology planner refuses pairs it cannot serve.
+    """
+    return compatibility_hash(model=config.model, dtype=spec.dtype, cache_dtype=spec.dtype,
+                              layout="kvbridge-planned", attention_backend=config.attention_backend)
+
+
+def provisional_spec(spec: EngineSpec, engine_id: str, tp_size: int) -> EngineSpec:
+    """A peer engine of the same model with another TP size (its TP-only facts are exact)."""
+    return replace(spec, engine_id=engine_id, tp_size=tp_size, block_bytes=None)

@@ -1,0 +1,211 @@
+"""The decode rank: receives requests' blocks (pull: it READs them; push: prefill ranks WRITE them).
+
+What both modes share lives here: the request tracker, failing and finishing
+requests, post-processing received blocks, and the ``poll()`` round. The
+mode-specific steps are the engine's ``mode`` object:
+:class:`~kvbridge.nixl.pull.PullReads` or :class:`~kvbridge.nixl.push.PushReceiver`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+from kvbridge.memory import block_id_array, kernel_spec, post_process, rank_descriptors
+from kvbridge.topology import EngineSpec, HeadOrder, RankPlan, TransferPlan, plan_transfer
+
+from .agent import Transfer
+from .config import DecodeEvents, TransferParams
+from .ledger import DecodeTracker, FailureKind, State
+from .modes import DecodeMode, Load
+from .peers import Peer
+from .pull import PullReads
+from .push import PushReceiver
+from .rank import RankEngine
+
+log = logging.getLogger("kvbridge.nixl")
+
+_MODES: dict[str, type[DecodeMode]] = {"pull": PullReads, "push": PushReceiver}
+
+
+class DecodeEngine(RankEngine):
+    """One decode rank: loads requests' blocks from prefill engines (pull) or receives them (push)."""
+
+    role = "d"
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.tracker = DecodeTracker(self.stats)
+        self._loads: dict[str, Load] = {}
+        self._orphans: list[Transfer] = []  # handles NIXL refused to release yet
+        self._silent: set[str] = set()  # releases: notify-only loads nobody waits for
+        self.mode: DecodeMode = _MODES[self.config.mode](self)
+
+    # ----- planning hooks ---------------------------------------------------
+    def _plan_for(self, peer_spec: EngineSpec) -> TransferPlan:
+        return plan_transfer(kernel_spec(peer_spec), kernel_spec(self.spec))
+
+    def _rank_plan(self, plan: TransferPlan) -> RankPlan:
+        return plan.decode_ranks[self.rank]
+
+    def _peer_ranks(self, plan: TransferPlan) -> tuple[list[int], list[int]]:
+        rp = self._rank_plan(plan)
+        return list(rp.handshake_ranks), list(rp.source_ranks)
+
+    def _descriptors(self, peer: Peer, q: int, plan: TransferPlan):
+        return rank_descriptors(self._rank_plan(plan), q, self.geometry,
+                                self._remote_geometry(peer, q)), True
+
+    # ----- public API -------------------------------------------------------
+    def load(self, request_id: str, params: TransferParams, local_block_ids: Sequence[int],
+             computed_tokens: int = 0) -> None:
+        """Start loading a request's blocks (pull mode). Never blocks on the peer.
+
+        ``local_block_ids`` are this engine's blocks for the tokens from
+        ``computed_tokens`` on (tokens already present locally: a prefix hit);
+        ``params.block_ids`` are the prefill engine's blocks for all tokens.
+        """
+        lids = block_id_array(local_block_ids, self.geometry.num_blocks, "local")
+        if computed_tokens < 0 or computed_tokens % self.spec.block_size:
+            raise ValueError(
+                f"computed_tokens must be a non-negative multiple of the decode block size "
+                f"{self.spec.block_size} (whole blocks already present), got {computed_tokens}"
+            )
+        self.mode.load(request_id, params, lids, computed_tokens)
+
+    def prepare(self, params: TransferParams) -> None:
+        """Start the handshake with ``params``' prefill engine now, if it is not known yet.
+
+        Lets a caller overlap the handshake with whatever precedes :meth:`load`
+        (a request queued for local blocks). Never blocks on the peer.
+        """
+        self.mode.prepare(params)
+
+    def renew(self, params: TransferParams) -> None:
+        """Renew the prefill lease of a request this rank has not started loading yet.
+
+        The RENEW notifications go out on the next :meth:`poll` once the
+        handshake with that engine is done (it is started here if needed).
+        Requests being loaded are renewed by the engine itself.
+        """
+        self.mode.renew(params)
+
+    def release(self, params: TransferParams) -> None:
+        """Tell the prefill ranks this rank will not read a request, so they free its blocks.
+
+        For requests the caller dropped (aborted before loading, or fully
+        present locally). Nothing is reported for it by :meth:`poll`; if the
+        prefill engine cannot be reached its lease frees the blocks.
+        """
+        if not params.request_id:
+            raise ValueError("release() needs params.request_id (the prefill-side request id)")
+        self.mode.release(params)
+
+    def expect(self, request_id: str, prefill_engine_id: str, prefill_tp: int, token: str,
+               local_block_ids: Sequence[int], *, prefill_block_size: int | None = None,
+               prefill_head_order: HeadOrder | str | None = None,
+               prefill_kernel_blocks_per_block: int | None = None) -> None:
+        """Push mode: wait for the prefill ranks that write this rank's share of a request.
+
+        The decode rank never handshakes in push mode, so the caller names the
+        prefill engine's cache facts that decide how received blocks must be
+        rearranged: ``prefill_block_size`` (tokens per logical block),
+        ``prefill_head_order`` (``HND`` or ``NHD``) and
+        ``prefill_kernel_blocks_per_block``. Left out, each is the decode
+        engine's own value, except that ``prefill_kernel_blocks_per_block``
+        defaults to 1 (not kernel-split) when ``prefill_block_size`` is given.
+        The request is planned with these values; when the plan needs
+        post-processing (HND <-> NHD, or several smaller prefill units per
+        decode block holding several heads) the engine applies
+        :func:`kvbridge.memory.post_process` to the request's blocks once every
+        source rank has written, before reporting it done. Wrong values are not
+        detected (push notifications do not carry the prefill geometry): the
+        received blocks would be rearranged wrongly. Raises ``ValueError``
+        (:class:`~kvbridge.topology.TopologyError`) when the pair cannot be planned.
+        """
+        lids = block_id_array(local_block_ids, self.geometry.num_blocks, "local")
+        self.mode.expect(request_id, prefill_engine_id, prefill_tp, token, lids, prefill_block_size,
+                         prefill_head_order, prefill_kernel_blocks_per_block)
+
+    def poll(self) -> DecodeEvents:
+        """Advance handshakes, transfers, timeouts and lease renewals; return finished requests.
+
+        Never waits: while the worker thread is inside a NIXL call, this round is skipped.
+        """
+        with self.agent.turn(wait=False) as mine:
+            if mine:
+                self._drain_events()
+                self._release_transfers()
+                self.mode.advance()
+                now = time.monotonic()
+                for t in self.tracker.overdue(now):
+                    self._fail(t.request_id, FailureKind.TIMEOUT,
+                               f"not complete within {self.config.transfer_timeout_s:.1f} s")
+                self.mode.keep_alive(now)
+        done, failed = self.tracker.take_done(), self.tracker.take_failed()
+        if self._silent:
+            quiet = self._silent
+            self._silent = quiet - set(done) - {f.request_id for f in failed}
+            done = [r for r in done if r not in quiet]
+            failed = [f for f in failed if f.request_id not in quiet]
+        return DecodeEvents(done, failed)
+
+    @property
+    def pending(self) -> int:
+        """Requests loading or awaited (not reported done or failed yet)."""
+        return len(self.tracker)
+
+    # ----- requests (used by the mode objects) --------------------------------
+    def _add(self, ld: Load, now: float, ready: bool) -> None:
+        """Track a new request (its deadline starts now)."""
+        self.tracker.add(ld.request_id, ld.peer.engine_id, ld.local_ids.tolist(),
+                         now + self.config.transfer_timeout_s, ready=ready)
+        self._loads[ld.request_id] = ld
+
+    def _release_transfers(self) -> None:
+        """Retry releasing handles NIXL refused to release before."""
+        for x in list(self._orphans):
+            if self.agent.release_transfer(x):
+                self._orphans.remove(x)
+
+    def _release_load(self, ld: Load) -> None:
+        for x in ld.transfers.values():
+            if not self.agent.release_transfer(x):
+                # still active in NIXL (e.g. a timed-out READ): retried on every poll until released
+                log.warning("NIXL refused to release an active transfer of %s; retrying later", ld.request_id)
+                self._orphans.append(x)
+        ld.transfers.clear()
+
+    def _fail(self, rid: str, kind: FailureKind, message: str) -> None:
+        ld = self._loads.pop(rid, None)
+        if ld is not None:
+            self._release_load(ld)
+        if rid in self.tracker:
+            self.tracker.fail(rid, kind, message)
+
+    def _part_done(self, ld: Load, part: int) -> None:
+        """One source rank of ``ld`` finished (pull: its READ completed; push: it wrote).
+
+        On the last one the request's blocks are post-processed before the
+        request is reported done; if that fails the request fails instead.
+        """
+        rid = ld.request_id
+        t = self.tracker.get(rid)
+        if t is None or t.state is not State.POSTED or part not in t.outstanding:
+            return
+        if len(t.outstanding) == 1:  # the last part: rearrange before anyone sees "done"
+            try:
+                self._post_process(ld)
+            except Exception as exc:  # a failed rearrangement leaves garbage: recompute the blocks
+                self._fail(rid, FailureKind.POST, f"post-processing the received blocks failed: {exc}")
+                return
+        if self.tracker.part_done(rid, part):
+            self._loads.pop(rid, None)
+
+    def _post_process(self, ld: Load) -> None:
+        """Rearrange a completed request's blocks in place when the plan says so
+        (HND <-> NHD, several smaller prefill blocks per decode block)."""
+        pp = ld.peer.plan.post_process
+        if pp.needed and ld.local_ids.size:
+            post_process(self.regions, ld.local_ids, pp, self.spec)

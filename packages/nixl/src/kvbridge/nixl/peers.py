@@ -1,0 +1,125 @@
+"""The remote engines a rank knows: one :class:`Peer` per engine id, and the one way to forget one.
+
+A peer is created when a request first names its engine (or names it at a new
+address, TP size or incarnation: a restart), handshaken on the worker thread,
+and dropped by :meth:`PeerTable.drop`, which releases everything the rank built
+for it: the remote agents (and with them the transfers and remote lists bound to
+them), the local descriptor lists and the descriptor tables. Every way a peer
+ends (a failed handshake, a failed transfer, a restart, a handshake superseded
+while it ran, the engine closing) goes through that one method.
+
+Threads: the caller thread owns the table and ``Peer.state``; the worker thread
+fills a peer during its handshake and then sets ``handshaked`` (and ``error``),
+and reads ``state`` and :meth:`PeerTable.is_current` only to skip work for a
+peer that is gone.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from kvbridge.handshake import AgentMetadata
+from kvbridge.memory import RankDescriptors
+from kvbridge.topology import EngineSpec, TransferPlan
+
+from .agent import NixlAgent, PreparedList
+from .stats import Stats
+
+log = logging.getLogger("kvbridge.nixl")
+
+
+@dataclass(eq=False)
+class Peer:
+    """One remote engine as seen from this rank."""
+
+    engine_id: str
+    host: str
+    port: int
+    tp_size: int
+    incarnation: str = ""
+    state: str = "handshaking"  # -> ready | failed (caller thread)
+    #: set by the worker thread when the handshake ended (``error`` empty when it succeeded)
+    handshaked: bool = False
+    error: str = ""
+    plan: TransferPlan | None = None
+    infos: dict[int, AgentMetadata] = field(default_factory=dict)
+    agents: dict[int, str] = field(default_factory=dict)  # remote rank -> agent name
+    remote_lists: dict[int, PreparedList] = field(default_factory=dict)
+    local_lists: dict[int, PreparedList] = field(default_factory=dict)
+    spec: EngineSpec | None = None  # the peer engine, from its metadata
+    descs: dict[int, RankDescriptors] = field(default_factory=dict)  # remote rank -> descriptors
+    handshake_ms: float = 0.0
+    #: handshake phases (ms): side-channel metadata, loading + connecting agents, list preparation
+    phases_ms: tuple[float, float, float] = (0.0, 0.0, 0.0)
+
+    @property
+    def usable(self) -> bool:
+        """The handshake succeeded and the peer was not dropped since (either thread)."""
+        return self.handshaked and not self.error and self.state != "failed"
+
+
+class PeerTable:
+    """The peers of one rank by engine id; ``start`` queues a peer's handshake on the worker."""
+
+    def __init__(self, agent: NixlAgent, stats: Stats, start: Callable[[Peer], None]) -> None:
+        self._agent = agent
+        self._stats = stats
+        self._start = start
+        self._peers: dict[str, Peer] = {}
+
+    def __len__(self) -> int:
+        return len(self._peers)
+
+    def __iter__(self) -> Iterator[Peer]:
+        return iter(list(self._peers.values()))
+
+    def get(self, engine_id: str) -> Peer | None:
+        return self._peers.get(engine_id)
+
+    def is_current(self, peer: Peer) -> bool:
+        """Whether ``peer`` is still the table's entry for its engine (not superseded or dropped)."""
+        return self._peers.get(peer.engine_id) is peer
+
+    def for_request(self, engine_id: str, host: str, port: int, tp_size: int, incarnation: str) -> Peer:
+        """The known peer, or a new one (its handshake queued) when unknown, failed, moved,
+        resized or restarted (another incarnation)."""
+        peer = self._peers.get(engine_id)
+        if peer is not None and (
+            (peer.host, peer.port, peer.tp_size) != (host, port, tp_size)
+            or (incarnation and peer.incarnation and incarnation != peer.incarnation)
+        ):
+            if peer.state == "ready":
+                log.info("engine %s changed (restart or move): handshaking again", engine_id)
+                self.drop(peer)
+            # a peer still handshaking is superseded: dropped when its handshake reports
+            peer = None
+        if peer is None or peer.state == "failed":
+            peer = Peer(engine_id, host, port, tp_size, incarnation)
+            self._peers[engine_id] = peer
+            self._start(peer)
+        return peer
+
+    def drop(self, peer: Peer, stale: bool = True) -> None:
+        """Forget a peer: its remote agents (with the transfers and remote lists bound to them),
+        its local lists and descriptor tables. ``stale``: count it in
+        ``stats.stale_agents_dropped`` (a peer that worked and is presumed restarted or dead).
+        Idempotent."""
+        if self._peers.get(peer.engine_id) is peer:
+            del self._peers[peer.engine_id]
+        for name in peer.agents.values():
+            self._agent.remove_remote(name)
+        for lst in peer.local_lists.values():
+            self._agent.release_list(lst)
+        peer.local_lists.clear()
+        peer.remote_lists.clear()
+        peer.descs.clear()
+        peer.agents.clear()
+        if peer.state != "failed" and stale:
+            self._stats.stale_agents_dropped += 1
+        peer.state = "failed"
+
+    def close(self) -> None:
+        for peer in list(self._peers.values()):
+            self.drop(peer, stale=False)

@@ -1,0 +1,98 @@
+"""The prefill rank: holds requests' blocks until the decode side has them.
+
+Pull mode: :meth:`PrefillEngine.hold` puts a request in the lease ledger
+(:class:`~kvbridge.nixl.ledger.PrefillLedger`); DONE notifications from the
+assigned decode ranks, or the lease lapsing, release it. Push mode:
+:meth:`PrefillEngine.push` writes the request into a decode engine
+(:class:`~kvbridge.nixl.push.PushWrites`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+
+from kvbridge.memory import block_id_array, kernel_spec, rank_descriptors
+from kvbridge.topology import EngineSpec, TransferPlan, plan_transfer
+
+from .config import TransferParams, provisional_spec
+from .ledger import PrefillLedger, Released
+from .messages import new_token, parse_notification
+from .modes import PrefillMode
+from .peers import Peer
+from .pull import PullLeases
+from .push import PushWrites
+from .rank import RankEngine
+
+log = logging.getLogger("kvbridge.nixl")
+
+_MODES: dict[str, type[PrefillMode]] = {"pull": PullLeases, "push": PushWrites}
+
+
+class PrefillEngine(RankEngine):
+    """One prefill rank: holds requests' blocks until the decode side has them."""
+
+    role = "p"
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.ledger = PrefillLedger(self._consumers_for, self.config.lease_s, self.stats)
+        self.mode: PrefillMode = _MODES[self.config.mode](self)
+
+    def _consumers_for(self, decode_tp: int) -> tuple[int, ...]:
+        """The decode ranks (of a decode engine with TP ``decode_tp``) that notify this rank."""
+        plan = plan_transfer(self.spec, provisional_spec(self.spec, self.spec.engine_id + "#decode", decode_tp))
+        return plan.prefill_ranks[self.rank].consumer_ranks
+
+    # planning hooks (push mode: the peer is a decode engine)
+    def _plan_for(self, peer_spec: EngineSpec) -> TransferPlan:
+        return plan_transfer(kernel_spec(self.spec), kernel_spec(peer_spec))
+
+    def _peer_ranks(self, plan: TransferPlan) -> tuple[list[int], list[int]]:
+        read_by = list(plan.prefill_ranks[self.rank].read_by)
+        return read_by, read_by
+
+    def _descriptors(self, peer: Peer, r: int, plan: TransferPlan):
+        # the plan's local side is the decode rank r; this rank is its remote side
+        return rank_descriptors(plan.decode_ranks[r], self.rank, self._remote_geometry(peer, r),
+                                self.geometry), False
+
+    # ----- public API -------------------------------------------------------
+    def hold(self, request_id: str, block_ids: Sequence[int], token: str | None = None) -> TransferParams:
+        """Hold a request's blocks under a lease; returns the parameters for the decode side.
+
+        All ranks of one engine must hold a request with the same token: pass
+        rank 0's token to the others (or one from :func:`new_token`).
+        """
+        ids = tuple(block_id_array(block_ids, self.geometry.num_blocks, "prefill").tolist())
+        token = token or new_token()
+        self.mode.hold(request_id, ids, token, time.monotonic())
+        host, port = self.address
+        return TransferParams(self.spec.engine_id, host, port, self.spec.tp_size, ids, token,
+                              self.incarnation, request_id)
+
+    def push(self, request_id: str, block_ids: Sequence[int], target: TransferParams) -> None:
+        """Push mode: write a request's blocks into the decode engine ``target`` (its address,
+        TP size, blocks, token and ``computed_tokens``)."""
+        ids = block_id_array(block_ids, self.geometry.num_blocks, "prefill")
+        self.mode.push(request_id, ids, target)
+
+    def poll(self) -> list[Released]:
+        """Count notifications, expire leases, advance pushes; returns requests whose blocks are free."""
+        self._drain_events()
+        now = time.monotonic()
+        for sender, msgs in self.agent.notifications().items():
+            for raw in msgs:
+                outcome = self.ledger.on_notification(parse_notification(raw), now)
+                if outcome in ("unknown", "bad-token", "malformed", "bad-decode-tp", "unassigned"):
+                    log.debug("ignored notification from %s: %s", sender, outcome)
+        for rid in self.ledger.expire(now):
+            log.warning("request %s: lease of %.1f s lapsed before every decode rank read it; "
+                        "releasing its blocks", rid, self.config.lease_s)
+        return self.ledger.take_released() + self.mode.poll(now)
+
+    @property
+    def held(self) -> int:
+        """Requests whose blocks this rank still holds."""
+        return len(self.ledger) + self.mode.held

@@ -1,0 +1,253 @@
+"""Pull mode (the default): decode ranks READ from prefill ranks, which hold blocks under a lease.
+
+Decode side (:class:`PullReads`): :meth:`~kvbridge.nixl.DecodeEngine.load`
+finds or starts the peer's handshake and hands the request to the worker at
+once (one hand-off: the worker runs the request after the handshake it may
+wait for). The worker builds one READ per source rank, each carrying a DONE
+notification, posts them, and notifies the prefill ranks that hold only
+duplicate data. ``poll()`` applies the posting results, checks the READs and
+renews the leases of requests still in flight.
+
+Prefill side (:class:`PullLeases`): ``hold()`` puts the request in the
+engine's lease ledger; the ledger releases it when every assigned decode rank
+has notified, or when its lease lapses.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+
+from kvbridge.memory import block_id_array
+
+from .agent import NixlError, Transfer
+from .config import TransferParams
+from .ledger import FailureKind, State
+from .messages import Kind, Notification, encode_notification
+from .modes import DecodeMode, Load, PrefillMode
+from .peers import Peer
+
+log = logging.getLogger("kvbridge.nixl")
+
+
+class PullReads(DecodeMode):
+    """Decode side of pull mode."""
+
+    name = "pull"
+
+    def __init__(self, engine) -> None:
+        super().__init__(engine)
+        self._renewals: dict[tuple[str, str], TransferParams] = {}  # (engine, remote id) -> params
+
+    # ----- entry points (caller thread) ---------------------------------------
+    def load(self, request_id: str, params: TransferParams, local_ids: np.ndarray,
+             computed_tokens: int) -> None:
+        e = self.engine
+        peer = e.peers.for_request(params.engine_id, params.host, params.port, params.tp_size,
+                                   params.incarnation)
+        now = time.monotonic()
+        ld = Load(request_id, peer, params, local_ids, computed_tokens, params.token, last_renew=now)
+        e._add(ld, now, ready=peer.state == "ready")
+        if peer.state == "ready" or e.config.post_in_background:
+            self._post(ld)  # on the worker, after the handshake when one is running
+
+    def prepare(self, params: TransferParams) -> None:
+        self.engine.peers.for_request(params.engine_id, params.host, params.port, params.tp_size,
+                                      params.incarnation)
+
+    def renew(self, params: TransferParams) -> None:
+        self.prepare(params)
+        self._renewals[(params.engine_id, params.request_id)] = params
+
+    def release(self, params: TransferParams) -> None:
+        e = self.engine
+        rid = f"release/{params.engine_id}/{params.request_id}/{params.token}"
+        if rid in e.tracker:
+            return
+        self._renewals.pop((params.engine_id, params.request_id), None)
+        e._silent.add(rid)
+        e.load(rid, params, [], 0)
+
+    # ----- posting --------------------------------------------------------------
+    def _post(self, ld: Load) -> None:
+        """Build and post the READs of ``ld`` on the worker (or here, without ``post_in_background``)."""
+        e, peer = self.engine, ld.peer
+        ld.queued_for = peer
+        if e.config.post_in_background:
+            e._worker.submit(lambda: e._events.put(self._post_job(ld, peer)))
+        else:
+            self.on_event(self._post_job(ld, peer))
+
+    def _post_job(self, ld: Load, peer: Peer) -> tuple:
+        """Build and post one READ per source rank of ``peer`` (worker thread, or the caller's);
+        returns the event that reports it."""
+        e = self.engine
+        if not (peer.usable and e.peers.is_current(peer)):  # failed, dropped or superseded meanwhile
+            return ("skipped", ld, peer)
+        t0 = time.perf_counter()
+        parts: dict[int, Transfer] = {}
+        prep = 0.0
+        try:
+            prep = self._build(ld, peer, parts)
+            for q, x in parts.items():
+                if e.agent.post(x) == "ERR":
+                    raise NixlError(f"posting the READ from engine {peer.engine_id!r} rank {q} failed")
+            rp = e._rank_plan(peer.plan)
+            for q in (rp.notify_only_ranks if parts else rp.handshake_ranks):
+                self._notify(peer, q, ld.remote_id, ld.token, Kind.DONE)
+            err = None
+        except NixlError as exc:  # the peer may be dead or restarted
+            err = f"NIXL: {exc}"
+        except (ValueError, KeyError) as exc:
+            err = str(exc) or type(exc).__name__
+        except Exception as exc:  # the worker must survive anything
+            err = f"{type(exc).__name__}: {exc}"
+        return ("posted", ld, peer, parts, err, prep if prep else (time.perf_counter() - t0) * 1e6)
+
+    def _build(self, ld: Load, peer: Peer, parts: dict[int, Transfer]) -> float:
+        """Make one READ per source rank (not posted); returns the microseconds it took."""
+        e = self.engine
+        t0 = time.perf_counter()
+        rp = e._rank_plan(peer.plan)
+        if not rp.source_ranks:
+            return (time.perf_counter() - t0) * 1e6
+        remote_blocks = min(peer.infos[q].num_blocks for q in rp.source_ranks)
+        rids = block_id_array(ld.params.block_ids, remote_blocks, "prefill")
+        skip = ld.computed_tokens // e.spec.block_size
+        msg = encode_notification(Notification(Kind.DONE, ld.remote_id, e.spec.tp_size, e.rank, ld.token))
+        for q in rp.source_ranks:
+            li, ri = peer.descs[q].indices(ld.local_ids, rids, local_skip_blocks=skip)
+            if li.size == 0:  # full prefix hit (or nothing to read): notify every rank instead
+                break
+            parts[q] = e.agent.make_transfer("READ", peer.local_lists[q], li, peer.remote_lists[q], ri, msg)
+        return (time.perf_counter() - t0) * 1e6
+
+    def _notify(self, peer: Peer, q: int, remote_id: str, token: str, kind: Kind) -> None:
+        e = self.engine
+        msg = encode_notification(Notification(kind, remote_id, e.spec.tp_size, e.rank, token))
+        e.agent.notify(peer.agents[q], msg)
+        e.stats.notifications_sent += 1
+
+    # ----- events (caller thread) -------------------------------------------------
+    def on_handshake(self, peer: Peer, err: str | None) -> None:
+        e = self.engine
+        if err is not None:
+            for f in e.tracker.handshake_failed(peer.engine_id, err):
+                e._loads.pop(f.request_id, None)
+            return
+        for t in e.tracker.handshake_done(peer.engine_id):
+            ld = e._loads[t.request_id]
+            if ld.queued_for is not peer:  # it waited on a handshake this one superseded
+                ld.peer = peer
+                self._post(ld)
+
+    def on_event(self, event: tuple) -> None:
+        if event[0] == "skipped":
+            self._skipped(*event[1:])
+        else:
+            self._posted(*event[1:])
+
+    def _skipped(self, ld: Load, peer: Peer) -> None:
+        """The worker did not post ``ld``: its peer failed, was dropped or superseded first."""
+        e = self.engine
+        if e._loads.get(ld.request_id) is not ld or ld.queued_for is not peer:
+            return
+        t = e.tracker.get(ld.request_id)
+        if t is not None and t.state is State.READY:  # else it waits for the next handshake
+            e._fail(ld.request_id, FailureKind.POST,
+                    f"engine {peer.engine_id!r} was dropped (restarted or failed) before this "
+                    f"request's READs were posted")
+
+    def _posted(self, ld: Load, peer: Peer, parts: dict[int, Transfer], err: str | None,
+                prep_us: float) -> None:
+        e = self.engine
+        rid = ld.request_id
+        t = e.tracker.get(rid)
+        if e._loads.get(rid) is not ld or ld.queued_for is not peer or t is None or t.state is not State.READY:
+            # failed, timed out or moved to another peer meanwhile
+            e._orphans.extend(x for x in parts.values() if not e.agent.release_transfer(x))
+            return
+        e.stats.prep_us += int(prep_us)
+        e.stats.posts += 1
+        ld.transfers.update(parts)
+        if err is not None:
+            e._fail(rid, FailureKind.POST, err)
+            if err.startswith("NIXL: ") and peer.state == "ready":
+                # posting to this engine failed in NIXL: handshake again next time
+                for other, ol in list(e._loads.items()):
+                    if ol.peer is peer and not ol.transfers:
+                        e._fail(other, FailureKind.POST, err)
+                e.peers.drop(peer)
+            return
+        e.tracker.posted(rid, list(parts))
+        if not parts:
+            e._loads.pop(rid, None)
+
+    # ----- poll rounds (caller thread, agent held) -----------------------------------
+    def advance(self) -> None:
+        e = self.engine
+        broken: list[Peer] = []
+        for rid, ld in list(e._loads.items()):
+            t = e.tracker.get(rid)
+            if t is None or t.state is not State.POSTED:
+                continue
+            done, bad = e._sweep(ld.transfers, ld.peer.engine_id)
+            for q in done:
+                e._part_done(ld, q)
+            if bad is not None:
+                e._fail(rid, FailureKind.TRANSFER,
+                        f"READ from engine {ld.peer.engine_id!r} rank {bad} ended in error")
+                if ld.peer not in broken:
+                    broken.append(ld.peer)
+        for peer in broken:  # a failing peer is presumed restarted or dead: handshake again next time
+            for rid, ld in list(e._loads.items()):
+                if ld.peer is peer:
+                    e._fail(rid, FailureKind.TRANSFER, f"engine {peer.engine_id!r} failed a transfer")
+            e.peers.drop(peer)
+
+    def keep_alive(self, now: float) -> None:
+        self._renew_loading(now)
+        self._send_renewals()
+
+    def _renew_loading(self, now: float) -> None:
+        """RENEW the leases of requests in flight, every ``renew_interval_s``."""
+        e = self.engine
+        every = e.config.renew_interval_s
+        for ld in e._loads.values():
+            if now - ld.last_renew < every or ld.peer.state != "ready":
+                continue
+            ld.last_renew = now
+            for q in e._rank_plan(ld.peer.plan).handshake_ranks:
+                try:
+                    self._notify(ld.peer, q, ld.remote_id, ld.token, Kind.RENEW)
+                    e.stats.leases_renewed += 1
+                except NixlError:
+                    pass
+
+    def _send_renewals(self) -> None:
+        """RENEW the leases of requests announced with ``renew()`` whose peer is ready."""
+        e = self.engine
+        for key, params in list(self._renewals.items()):
+            peer = e.peers.get(params.engine_id)
+            if peer is not None and peer.state == "handshaking":
+                continue  # try again on the next poll
+            del self._renewals[key]
+            if peer is None or peer.state != "ready":
+                continue  # the handshake failed: the lease will lapse, nothing to renew with
+            for q in e._rank_plan(peer.plan).handshake_ranks:
+                try:
+                    self._notify(peer, q, params.request_id, params.token, Kind.RENEW)
+                    e.stats.leases_renewed += 1
+                except NixlError:
+                    break
+
+
+class PullLeases(PrefillMode):
+    """Prefill side of pull mode: held requests wait in the engine's lease ledger."""
+
+    name = "pull"
+
+    def hold(self, request_id: str, block_ids: tuple[int, ...], token: str, now: float) -> None:
+        self.engine.ledger.hold(request_id, block_ids, token, now)

@@ -1,0 +1,338 @@
+"""What prefill and decode ranks share: the agent and its registered cache, the metadata this rank
+serves, handshakes with peer engines, and teardown.
+
+Threading: each engine has one :class:`~kvbridge.nixl.worker.Worker` for
+handshakes (side-channel I/O and loading remote agents) and, in pull mode,
+building and posting READs. Every NIXL call goes through the agent's lock, so
+the worker and the caller's thread never call NIXL at the same time. Jobs report
+back through one event queue that the caller's ``poll()`` drains in order.
+Nothing the caller calls blocks on a peer: ``poll()`` only looks.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from collections import deque
+from collections.abc import Sequence
+
+import zmq
+
+from kvbridge.handshake import (
+    AgentMetadata,
+    EngineFacts,
+    HandshakeError,
+    MetadataServer,
+    fetch_metadata,
+    new_incarnation,
+)
+from kvbridge.memory import (
+    CacheRegions,
+    HugePageResult,
+    RankDescriptors,
+    RegionGeometry,
+    advise_huge_pages,
+    regions_from_kv_caches,
+)
+from kvbridge.topology import EngineSpec, TopologyError, TransferPlan
+
+from .agent import NixlAgent, NixlError, Transfer
+from .config import (
+    EngineConfig,
+    HandshakeFailed,
+    TransferRecord,
+    engine_compat_hash,
+    provisional_spec,
+)
+from .peers import Peer, PeerTable
+from .stats import Stats
+from .worker import Worker
+
+log = logging.getLogger("kvbridge.nixl")
+
+
+def record_done(agent: NixlAgent, stats: Stats, transfer: Transfer,
+                records: deque[TransferRecord] | None = None, peer_engine: str = "") -> None:
+    """Count a finished transfer (NIXL telemetry into ``stats``) and release its handle."""
+    tel = agent.telemetry(transfer)
+    if tel is not None:
+        stats.bytes += tel.bytes
+        stats.descriptors += tel.descriptors
+        stats.post_us += tel.post_us
+        stats.xfer_us += tel.xfer_us
+        if records is not None:
+            records.append(TransferRecord(transfer.op, peer_engine, tel.bytes, tel.descriptors,
+                                          tel.post_us, tel.xfer_us))
+    stats.transfers += 1
+    stats.descriptors_posted += transfer.num_descs
+    agent.release_transfer(transfer)
+
+
+class RankEngine:
+    """The base of :class:`~kvbridge.nixl.PrefillEngine` and :class:`~kvbridge.nixl.DecodeEngine`.
+
+    Subclasses set ``self.mode`` (a :mod:`kvbridge.nixl.modes` object) and the
+    planning hooks :meth:`_plan_for`, :meth:`_peer_ranks` and :meth:`_descriptors`.
+    """
+
+    role = "?"
+
+    def __init__(self, spec: EngineSpec, rank: int, cache: CacheRegions | Sequence | dict,
+                 config: EngineConfig | None = None, *, incarnation: str | None = None):
+        """``cache``: this rank's :class:`~kvbridge.memory.CacheRegions`, or its KV-cache
+        tensors (one entry per layer), turned into regions with
+        :func:`~kvbridge.memory.regions_from_kv_caches`."""
+        if not 0 <= rank < spec.tp_size:
+            raise ValueError(f"rank {rank} is outside TP size {spec.tp_size}")
+        if spec.mamba is not None:
+            raise TopologyError("the NIXL engine does not transfer Mamba hybrid caches yet")
+        regions = cache if isinstance(cache, CacheRegions) else regions_from_kv_caches(cache, spec)
+        if regions.spec != spec:
+            raise ValueError(
+                f"the cache regions were made for engine {regions.spec.engine_id!r} with another "
+                f"description than engine {spec.engine_id!r}; build them with this engine's spec"
+            )
+        self.spec, self.rank, self.regions = spec, rank, regions
+        self.geometry = RegionGeometry.from_regions(regions)
+        self.config = config or EngineConfig()
+        self.incarnation = incarnation or new_incarnation()
+        self.compat_hash = engine_compat_hash(spec, self.config)
+        self.stats = Stats()
+        self._records: deque[TransferRecord] | None = (
+            deque(maxlen=self.config.max_records) if self.config.record_transfers else None)
+        self.huge_pages: HugePageResult | None = None
+        if self.config.huge_pages and self.config.mem_type == "DRAM" and regions.mem_type == "DRAM":
+            # before registration: pages a backend has pinned can no longer be collapsed
+            self.huge_pages = advise_huge_pages(
+                (int(a), int(n)) for a, n, _ in regions.registration_descs())
+            log.debug("rank %d: %d MiB advised, %d MiB collapsed to huge pages%s", rank,
+                      self.huge_pages.advised_bytes >> 20, self.huge_pages.collapsed_bytes >> 20,
+                      f" ({'; '.join(self.huge_pages.errors)})" if self.huge_pages.errors else "")
+        self.agent = NixlAgent(f"{spec.engine_id}/{self.role}{rank}/{self.incarnation}", self.config.agent)
+        try:
+            self.agent.register(regions.registration_descs(), self.config.mem_type)
+        except Exception:
+            self.agent.close()
+            raise
+        self.server: MetadataServer | None = None
+        self._own_server = False
+        self._advertised: tuple[str, int] | None = None
+        self._metadata: AgentMetadata | None = None
+        self._zmq = zmq.Context(io_threads=1)
+        self._events: queue.Queue[tuple] = queue.Queue()
+        self._worker = Worker(self.agent, f"kvbridge-handshake-{rank}", self.config.progress_interval_s)
+        self.peers = PeerTable(self.agent, self.stats, self._start_handshake)
+        self._closed = False
+
+    def take_records(self) -> list[TransferRecord]:
+        """Per-transfer records since the last call (empty unless ``record_transfers``)."""
+        if self._records is None:
+            return []
+        out = list(self._records)
+        self._records.clear()
+        return out
+
+    # ----- metadata ---------------------------------------------------------
+    def metadata(self) -> AgentMetadata:
+        """This rank's handshake metadata (NIXL agent metadata and cache geometry), built once."""
+        if self._metadata is None:
+            regs = self.regions.regions
+            self._metadata = AgentMetadata(
+                engine_id=self.spec.engine_id, incarnation=self.incarnation, rank=self.rank,
+                tp_size=self.spec.tp_size, agent_name=self.agent.name,
+                agent_metadata=self.agent.metadata(), memory_type=self.config.mem_type,
+                device_id=self.regions.device_id, region_base_addrs=[r.base_addr for r in regs],
+                region_sizes=[r.size for r in regs], num_blocks=self.regions.num_blocks,
+                block_lens=[r.block_stride for r in regs], block_size=self.spec.block_size,
+                kernel_blocks_per_block=self.spec.kernel_blocks_per_block,
+                layout=self.spec.layout.value, head_order=self.spec.head_order.value,
+                attention_backend=self.config.attention_backend,
+                engine=EngineFacts.from_spec(self.spec),
+            )
+        return self._metadata
+
+    def serve(self, server: MetadataServer | None = None, host: str = "127.0.0.1",
+              port: int = 0) -> MetadataServer:
+        """Publish this rank's metadata on ``server`` (shared by an engine's local ranks) or a new one."""
+        if server is None:
+            server = MetadataServer({self.rank: self.metadata()}, compat_hash=self.compat_hash,
+                                    host=host, port=port)
+            self._own_server = True
+        else:
+            if server.compat_hash != self.compat_hash:
+                raise ValueError("the metadata server was created with another compatibility hash")
+            server.set_metadata(self.rank, self.metadata())
+        self.server = server
+        return server
+
+    def advertise(self, host: str, port: int) -> None:
+        """Name the side channel that serves this rank when another process runs it."""
+        self._advertised = (host, int(port))
+
+    @property
+    def address(self) -> tuple[str, int]:
+        """(host, port) of the side channel serving this rank."""
+        if self._advertised is not None:
+            return self._advertised
+        if self.server is None:
+            raise RuntimeError("this rank is not served yet: call serve() or advertise() first")
+        return self.server.host, self.server.port
+
+    # ----- planning hooks ---------------------------------------------------
+    def _plan_for(self, peer_spec: EngineSpec) -> TransferPlan:
+        raise NotImplementedError
+
+    def _peer_ranks(self, plan: TransferPlan) -> tuple[list[int], list[int]]:
+        """(peer ranks to handshake with, peer ranks that get lists prepared)."""
+        raise NotImplementedError
+
+    def _descriptors(self, peer: Peer, q: int, plan: TransferPlan) -> tuple[RankDescriptors, bool]:
+        """Descriptors for peer rank ``q``, and whether this rank is the plan's local (decode) side."""
+        raise NotImplementedError
+
+    # ----- handshakes -------------------------------------------------------
+    def _start_handshake(self, peer: Peer) -> None:
+        self._worker.submit(lambda: self._handshake_job(peer))
+
+    def _handshake_job(self, peer: Peer) -> None:
+        """Worker thread: handshake with ``peer``, then queue its outcome for the caller."""
+        t0 = time.perf_counter()
+        try:
+            self._handshake(peer)
+        except (HandshakeError, NixlError, TopologyError, ValueError) as exc:
+            peer.error = str(exc)
+        except Exception as exc:  # never let a peer's input kill the worker
+            peer.error = f"{type(exc).__name__}: {exc}"
+        peer.handshake_ms = (time.perf_counter() - t0) * 1e3
+        peer.handshaked = True
+        self._events.put(("handshake", peer))
+
+    def _handshake(self, peer: Peer) -> None:
+        timeout = self.config.handshake_timeout_s
+        t0 = time.perf_counter()
+        guess = self._plan_for(provisional_spec(self.spec, peer.engine_id, peer.tp_size))
+        ranks, _ = self._peer_ranks(guess)
+        infos = fetch_metadata(peer.host, peer.port, ranks, engine_id=peer.engine_id,
+                               compat_hash=self.compat_hash if self.config.enforce_compat else None,
+                               timeout=timeout / 2, retries=1, context=self._zmq)
+        first = infos[ranks[0]]
+        if first.tp_size != peer.tp_size:
+            raise HandshakeFailed(
+                f"engine {peer.engine_id!r} says TP {first.tp_size}, the request said {peer.tp_size}"
+            )
+        if first.memory_type != self.config.mem_type:
+            raise HandshakeFailed(
+                f"engine {peer.engine_id!r} registered {first.memory_type} memory, this rank "
+                f"{self.config.mem_type}; configure both engines with the same memory type"
+            )
+        plan = self._plan_for(first.spec())
+        handshake_ranks, listed = self._peer_ranks(plan)
+        if list(handshake_ranks) != list(ranks):  # pragma: no cover - same TP/heads
+            raise HandshakeFailed("the peer's engine changes which ranks to handshake with")
+        if peer.incarnation and first.incarnation != peer.incarnation:
+            raise HandshakeFailed(
+                f"engine {peer.engine_id!r} is incarnation {first.incarnation}, the request was "
+                f"issued by {peer.incarnation}: it restarted after issuing the request"
+            )
+        peer.incarnation = first.incarnation
+        peer.plan, peer.infos, peer.spec = plan, infos, first.spec()
+        t1 = time.perf_counter()
+        for q in ranks:
+            peer.agents[q] = self.agent.add_remote(infos[q].agent_metadata)
+            self.agent.connect(peer.agents[q])
+        t2 = time.perf_counter()
+        for q in listed:
+            rd, local_side = self._descriptors(peer, q, plan)
+            mine = rd.local_descs(strided=True) if local_side else rd.remote_descs(strided=True)
+            theirs = rd.remote_descs(strided=True) if local_side else rd.local_descs(strided=True)
+            peer.local_lists[q] = self.agent.prepare(None, mine, self.config.mem_type,
+                                                     self.config.allow_strided)
+            peer.remote_lists[q] = self.agent.prepare(peer.agents[q], theirs, self.config.mem_type,
+                                                      self.config.allow_strided)
+            peer.descs[q] = rd
+        peer.phases_ms = ((t1 - t0) * 1e3, (t2 - t1) * 1e3, (time.perf_counter() - t2) * 1e3)
+
+    def _remote_geometry(self, peer: Peer, q: int) -> RegionGeometry:
+        """Peer rank ``q``'s regions from its handshake numbers (checked against its description)."""
+        inf = peer.infos[q]
+        try:
+            return RegionGeometry.from_remote(peer.spec, inf.region_base_addrs, inf.num_blocks,
+                                              inf.block_lens, device_id=inf.device_id,
+                                              mem_type=inf.memory_type)
+        except ValueError as exc:
+            raise HandshakeFailed(f"engine {peer.engine_id!r} rank {q}: {exc}") from exc
+
+    # ----- events from the worker (caller thread) -----------------------------
+    def _drain_events(self) -> None:
+        """Apply what the worker reported, in the order it happened."""
+        while True:
+            try:
+                event = self._events.get_nowait()
+            except queue.Empty:
+                return
+            if event[0] == "handshake":
+                self._handshake_ended(event[1])
+            else:
+                self.mode.on_event(event)
+
+    def _handshake_ended(self, peer: Peer) -> None:
+        if not self.peers.is_current(peer):  # superseded meanwhile (a restart or move)
+            self.peers.drop(peer, stale=False)
+            return
+        self.stats.handshakes += 1
+        self.stats.handshake_ms += peer.handshake_ms
+        err = peer.error or None
+        if err is None:
+            peer.state = "ready"
+            meta_ms, agents_ms, lists_ms = peer.phases_ms
+            log.info("handshake with engine %s (TP %d) took %.1f ms: metadata %.1f ms, agents "
+                     "%.1f ms, lists %.1f ms", peer.engine_id, peer.tp_size, peer.handshake_ms,
+                     meta_ms, agents_ms, lists_ms)
+        else:
+            log.warning("handshake with engine %s failed: %s", peer.engine_id, err)
+            self.peers.drop(peer, stale=False)
+        self.mode.on_handshake(peer, err)
+
+    def _sweep(self, transfers: dict[int, Transfer], peer_engine: str) -> tuple[list[int], int | None]:
+        """Check the transfers of one request, keyed by peer rank, in order.
+
+        Finished ones are counted, released and removed from ``transfers``;
+        returns their ranks and the rank of the first one that ended in error
+        (None if none did; the sweep stops there).
+        """
+        done: list[int] = []
+        for rank, x in list(transfers.items()):
+            st = self.agent.state(x)
+            if st == "PROC":
+                continue
+            if st != "DONE":
+                return done, rank
+            record_done(self.agent, self.stats, x, self._records, peer_engine)
+            del transfers[rank]
+            done.append(rank)
+        return done, None
+
+    def resource_counts(self) -> dict[str, int]:
+        """The agent's live resources (:meth:`NixlAgent.counts`) and the number of known peers."""
+        c = self.agent.counts()
+        c["peers"] = len(self.peers)
+        return c
+
+    # ----- teardown ---------------------------------------------------------
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._worker.close(timeout_s=self.config.handshake_timeout_s * 4 + 1)
+        self.peers.close()
+        if self._own_server and self.server is not None:
+            self.server.close()
+        self._zmq.term()
+        self.agent.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,70 @@
+"""One engine's ranks in this process, over synthetic host-memory caches.
+
+The building block of the multi-process harness (each harness process runs
+one :class:`LocalRanks`) and of the in-process engine tests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvbridge.handshake import MetadataServer, new_incarnation
+from kvbridge.memory import kernel_spec
+from kvbridge.topology import EngineSpec, kernel_block_ids
+
+from ..config import EngineConfig
+from ..decode import DecodeEngine
+from ..prefill import PrefillEngine
+from ..rank import RankEngine
+from .synthetic import SyntheticCache
+
+
+@dataclass
+class LocalRanks:
+    """Some ranks of one engine: a synthetic cache and an engine per rank, and the metadata
+    server of the first rank when it serves."""
+
+    spec: EngineSpec
+    caches: dict[int, SyntheticCache]
+    engines: dict[int, RankEngine]
+    server: MetadataServer | None = None
+
+    @classmethod
+    def start(cls, role: str, spec: EngineSpec, ranks: Iterable[int], num_blocks: int,
+              config: EngineConfig, *, incarnation: str | None = None, serve: bool = True,
+              port: int = 0) -> LocalRanks:
+        """Allocate ``num_blocks`` blocks per rank (kernel-split engines: their kernel blocks),
+        build a prefill (``role="p"``) or decode (``"d"``) engine per rank and, with ``serve``,
+        serve every rank's metadata on one server on 127.0.0.1 (``port`` 0: a free one)."""
+        ranks = list(ranks)
+        engine_cls = PrefillEngine if role == "p" else DecodeEngine
+        n = spec.kernel_blocks_per_block
+        caches = {r: SyntheticCache.allocate(kernel_spec(spec), r, num_blocks * n) for r in ranks}
+        inc = incarnation or new_incarnation()
+        out = cls(spec, caches, {})
+        try:
+            for r in ranks:
+                out.engines[r] = engine_cls(spec, r, caches[r].cache_regions(spec), config, incarnation=inc)
+            if serve:
+                out.server = out.engines[ranks[0]].serve(port=port)
+                for r in ranks[1:]:
+                    out.engines[r].serve(out.server)
+        except BaseException:
+            out.close()
+            raise
+        return out
+
+    def fill(self, kv: np.ndarray, blocks: Iterable[int]) -> None:
+        """Write a request's KV content (:func:`~kvbridge.nixl.testing.synthetic.logical_kv`)
+        into the logical ``blocks`` of every rank's cache."""
+        ids = list(kernel_block_ids(list(blocks), self.spec.kernel_blocks_per_block))
+        for c in self.caches.values():
+            c.fill(kv, ids)
+
+    def close(self) -> None:
+        """Close every engine (the first one closes the server it created)."""
+        for e in self.engines.values():
+            e.close()

@@ -1,0 +1,62 @@
+"""The engine's background thread: runs jobs (handshakes, posting transfers) in order.
+
+Each engine owns one :class:`Worker`. Jobs are callables; they run one at a
+time in the order they were submitted, so a request submitted after its peer's
+handshake runs after that handshake. Jobs report back to the engine's caller
+thread by putting events on a queue the engine drains in ``poll()``. Between
+jobs the worker lets NIXL progress (``NixlAgent.progress``) every
+``progress_interval_s`` seconds, since the engines run without NIXL's own
+progress thread. Nothing a job raises stops the thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+
+from .agent import NixlAgent
+
+log = logging.getLogger("kvbridge.nixl")
+
+Job = Callable[[], None]
+
+
+class Worker:
+    """One background thread that runs :data:`Job` callables in submission order."""
+
+    def __init__(self, agent: NixlAgent, name: str, progress_interval_s: float) -> None:
+        self._agent = agent
+        self._interval = progress_interval_s
+        self._jobs: queue.Queue[Job | None] = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Job) -> None:
+        """Run ``job`` on the worker thread after every job submitted before it."""
+        self._jobs.put(job)
+
+    def close(self, timeout_s: float) -> None:
+        """Stop after the jobs already submitted (waits at most ``timeout_s``)."""
+        self._jobs.put(None)
+        self._thread.join(timeout=timeout_s)
+
+    def _run(self) -> None:
+        while True:
+            try:
+                job = self._jobs.get(timeout=self._interval) if self._interval else self._jobs.get()
+            except queue.Empty:
+                # no NIXL progress thread (it spins a core): keep connection set-up and
+                # notifications moving while the owner is between poll() calls
+                try:
+                    self._agent.progress()
+                except Exception as exc:  # never let the worker die; poll() reports NIXL errors
+                    log.debug("%s: background NIXL progress failed: %s", self._thread.name, exc)
+                continue
+            if job is None:
+                return
+            try:
+                job()
+            except Exception:  # jobs report their own errors; this is a bug, not a peer's input
+                log.exception("%s: a background job failed", self._thread.name)
