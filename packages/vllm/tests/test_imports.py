@@ -9,7 +9,7 @@ import sys
 def test_pure_modules_import_without_heavy_dependencies() -> None:
     code = (
         "import sys, kvbridge.vllm, kvbridge.vllm.config, kvbridge.vllm.params, "
-        "kvbridge.vllm.aggregate, kvbridge.vllm.scheduling, kvbridge.vllm.steps, kvbridge.vllm.cachespec\n"
+        "kvbridge.vllm.stats, kvbridge.vllm.scheduling, kvbridge.vllm.steps, kvbridge.vllm.cachespec\n"
         "heavy = [m for m in ('vllm', 'torch', 'nixl', 'zmq') if m in sys.modules]\n"
         "print(','.join(heavy))\n"
     )
