@@ -86,3 +86,24 @@ def test_required_layout_is_hnd_unless_mla() -> None:
     assert KVBridgeConnector.get_required_kvcache_layout(VC()) == "LBHNC"
     MC.use_mla = True
     assert KVBridgeConnector.get_required_kvcache_layout(VC()) is None
+
+
+@pytest.mark.parametrize("setting", ["pipeline_parallel_size", "decode_context_parallel_size",
+                                     "prefill_context_parallel_size"])
+@pytest.mark.parametrize("role", ["SCHEDULER", "WORKER"])
+def test_pipeline_and_context_parallel_engines_are_refused_at_start(setting: str, role: str) -> None:
+    """vLLM's own configuration objects with PP, DCP or PCP 2: the connector refuses to
+    start, naming the setting, before touching anything else."""
+    from types import SimpleNamespace
+
+    from vllm.config import KVTransferConfig, ParallelConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvbridge.vllm import ConfigError
+
+    ktc = KVTransferConfig(kv_connector="KVBridgeConnector", kv_connector_module_path="kvbridge.vllm",
+                           kv_role="kv_consumer")
+    pc = ParallelConfig(tensor_parallel_size=2, **{setting: 2})
+    with pytest.raises(ConfigError, match=f"{setting}=2.*{setting}=1"):
+        KVBridgeConnector(SimpleNamespace(kv_transfer_config=ktc, parallel_config=pc),
+                          KVConnectorRole[role], None)
