@@ -95,14 +95,6 @@ def test_env_strings_are_parsed_per_type() -> None:
     assert cfg.heartbeat_seconds == 2.5
 
 
-def test_round_trip_through_extra_config() -> None:
-    cfg = parse_connector_config(
-        {"mode": "push", "backends": ["UCX"], "lease_seconds": 9, "side_channel_port": 7100},
-        env={},
-    )
-    assert parse_connector_config(cfg.to_extra_config(), env={}) == cfg
-
-
 def test_port_for_data_parallel_index() -> None:
     cfg = parse_connector_config({"side_channel_port": 65534}, env={})
     assert cfg.port_for(0) == 65534 and cfg.port_for(1) == 65535

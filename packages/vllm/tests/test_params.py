@@ -59,7 +59,7 @@ def test_decodes_vllm_nixl_connector_output() -> None:
     rp = decode_remote_prefill(NIXL_OUTPUT)
     t = rp.transfer
     assert t.engine_id == NIXL_OUTPUT["remote_engine_id"]
-    assert rp.block_ids == ((1, 2, 3),) and rp.num_blocks == 3
+    assert rp.block_ids == ((1, 2, 3),)
     assert (t.host, t.port, t.tp_size, rp.num_tokens) == ("127.0.0.1", 44967, 1, 70)
     assert t.token == "" and rp.mode == "pull" and rp.expiry_time is None
 

@@ -75,12 +75,6 @@ class ConnectorConfig:
             )
         return port
 
-    def to_extra_config(self) -> dict[str, Any]:
-        """The ``kv_connector_extra_config`` dict that parses back to this config."""
-        out = {f.name: getattr(self, f.name) for f in fields(self)}
-        out["backends"] = list(self.backends)
-        return out
-
 
 _DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(ConnectorConfig)}
 

@@ -107,10 +107,6 @@ class RemotePrefill:
         """True when a kvbridge prefill engine issued these parameters (they carry its token)."""
         return bool(self.transfer.token)
 
-    @property
-    def num_blocks(self) -> int:
-        return sum(len(g) for g in self.block_ids)
-
 
 def _check_str(name: str, v: Any) -> None:
     if not isinstance(v, str) or not v:

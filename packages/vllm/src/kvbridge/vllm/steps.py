@@ -33,6 +33,7 @@ from kvbridge.vllm.params import (
     RemotePrefill,
     decode_remote_prefill,
     encode_remote_prefill,
+    is_prefill_request,
     is_remote_prefill,
 )
 from kvbridge.vllm.scheduling import check_remote_blocks, check_remote_parallelism, tokens_to_load
@@ -216,7 +217,7 @@ class SchedulerState:
             if rp is not None:
                 self._releases.append(rp)
             return False, None
-        if not params.get("do_remote_decode") or not completed:
+        if not is_prefill_request(params) or not completed:
             return False, None
         if not self.producer:
             log.warning("request %s asks for remote decode but this engine's kv_role is not a "
