@@ -8,16 +8,15 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from kvbridge.nixl import Stats  # noqa: E402
-from kvbridge.vllm.connector import (  # noqa: E402
+from kvbridge.vllm import (  # noqa: E402
+    HoldOrder,
     KVBridgeConnector,
     KVBridgeConnectorMetadata,
     KVBridgeHandshake,
     KVBridgePromMetrics,
     KVBridgeStats,
-    _stats_delta,
+    StepOrders,
 )
-from kvbridge.vllm.steps import HoldOrder, StepOrders  # noqa: E402
 
 
 def test_stats_merge_across_workers_and_reduce() -> None:
@@ -39,16 +38,6 @@ def test_stats_merge_across_workers_and_reduce() -> None:
     # vLLM ships stats as their data dict and rebuilds them with the class method
     rebuilt = KVBridgeConnector.build_kv_connector_stats(pickle.loads(pickle.dumps(merged.data)))
     assert isinstance(rebuilt, KVBridgeStats) and rebuilt.data == merged.data
-
-
-def test_counter_deltas_between_engine_snapshots() -> None:
-    before, now = Stats(), Stats()
-    now.requests_done, now.leases_expired, now.notifications_bad_token = 5, 1, 2
-    now.failures = {"handshake": 1, "timeout": 3}
-    d = _stats_delta(now, before)
-    assert d["requests_done"] == 5 and d["expired_leases"] == 1
-    assert d["failed_handshakes"] == 1 and d["failed_timeouts"] == 3
-    assert d["ignored_notifications"] == 2 and d["failed_transfers"] == 0
 
 
 class _Metric:
@@ -97,3 +86,24 @@ def test_required_layout_is_hnd_unless_mla() -> None:
     assert KVBridgeConnector.get_required_kvcache_layout(VC()) == "LBHNC"
     MC.use_mla = True
     assert KVBridgeConnector.get_required_kvcache_layout(VC()) is None
+
+
+@pytest.mark.parametrize("setting", ["pipeline_parallel_size", "decode_context_parallel_size",
+                                     "prefill_context_parallel_size"])
+@pytest.mark.parametrize("role", ["SCHEDULER", "WORKER"])
+def test_pipeline_and_context_parallel_engines_are_refused_at_start(setting: str, role: str) -> None:
+    """vLLM's own configuration objects with PP, DCP or PCP 2: the connector refuses to
+    start, naming the setting, before touching anything else."""
+    from types import SimpleNamespace
+
+    from vllm.config import KVTransferConfig, ParallelConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvbridge.vllm import ConfigError
+
+    ktc = KVTransferConfig(kv_connector="KVBridgeConnector", kv_connector_module_path="kvbridge.vllm",
+                           kv_role="kv_consumer")
+    pc = ParallelConfig(tensor_parallel_size=2, **{setting: 2})
+    with pytest.raises(ConfigError, match=f"{setting}=2.*{setting}=1"):
+        KVBridgeConnector(SimpleNamespace(kv_transfer_config=ktc, parallel_config=pc),
+                          KVConnectorRole[role], None)

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from kvbridge.vllm.config import CONFIG_KEYS, ConfigError, ConnectorConfig, parse_connector_config
+from kvbridge.vllm.config import (
+    CONFIG_KEYS,
+    ConfigError,
+    ConnectorConfig,
+    EngineRoles,
+    check_engine_support,
+    parse_connector_config,
+)
 
 
 def test_defaults_without_extra_config_or_env() -> None:
@@ -88,14 +95,6 @@ def test_env_strings_are_parsed_per_type() -> None:
     assert cfg.heartbeat_seconds == 2.5
 
 
-def test_round_trip_through_extra_config() -> None:
-    cfg = parse_connector_config(
-        {"mode": "push", "backends": ["UCX"], "lease_seconds": 9, "side_channel_port": 7100},
-        env={},
-    )
-    assert parse_connector_config(cfg.to_extra_config(), env={}) == cfg
-
-
 def test_port_for_data_parallel_index() -> None:
     cfg = parse_connector_config({"side_channel_port": 65534}, env={})
     assert cfg.port_for(0) == 65534 and cfg.port_for(1) == 65535
@@ -108,3 +107,38 @@ def test_port_for_data_parallel_index() -> None:
 def test_reads_os_environ_when_env_not_given(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVBRIDGE_LEASE_SECONDS", "77")
     assert parse_connector_config({}).lease_seconds == 77.0
+
+
+def test_defaults_are_declared_once_on_the_config() -> None:
+    assert ConnectorConfig() == parse_connector_config(None, env={})
+    assert ConnectorConfig(lease_seconds=8).heartbeat_seconds == 2.0  # lease / 4
+    assert next(k for k in CONFIG_KEYS if k.key == "side_channel_port").default == 5600
+    with pytest.raises(ConfigError, match="shorter than lease_seconds"):
+        ConnectorConfig(lease_seconds=4, heartbeat_seconds=4)
+
+
+@pytest.mark.parametrize("role", ["kv_producer", "kv_consumer", "kv_both"])
+def test_engine_roles_follow_kv_role(role: str) -> None:
+    roles = check_engine_support(ConnectorConfig(), kv_role=role)
+    assert roles == EngineRoles(producer=role != "kv_consumer", consumer=role != "kv_producer")
+
+
+@pytest.mark.parametrize("setting", ["pipeline_parallel_size", "decode_context_parallel_size",
+                                     "prefill_context_parallel_size"])
+def test_pipeline_and_context_parallelism_are_refused_by_name(setting: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        check_engine_support(ConnectorConfig(), kv_role="kv_consumer", **{setting: 2})
+    msg = str(e.value)
+    assert f"{setting}=2" in msg and f"{setting}=1" in msg and "tensor_parallel_size" in msg
+
+
+@pytest.mark.parametrize(("kw", "fragment"), [
+    ({"kv_role": "kv_sender"}, "kv_role must be"),
+    ({"kv_role": None}, "kv_role must be"),
+    ({"kv_role": "kv_both", "kv_cache_groups": 2}, "2 KV-cache groups"),
+    ({"kv_role": "kv_both", "config": ConnectorConfig(mode="push")}, "mode'] = 'pull'"),
+])
+def test_other_unsupported_engines_are_refused(kw: dict, fragment: str) -> None:
+    cfg = kw.pop("config", ConnectorConfig())
+    with pytest.raises(ConfigError, match=fragment):
+        check_engine_support(cfg, **kw)

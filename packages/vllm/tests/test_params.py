@@ -31,7 +31,7 @@ def _rp(**kw: object) -> RemotePrefill:
     base: dict = dict(engine_id="P0", host="10.1.2.3", port=5600, request_id="req-7",
                       block_ids=((4, 5, 9),), tp_size=2, num_tokens=70, token="t0k")
     base.update(kw)
-    return RemotePrefill(**base)
+    return RemotePrefill.of(**base)
 
 
 def test_prefill_request_and_predicates() -> None:
@@ -57,10 +57,11 @@ def test_encode_uses_vllm_keys_and_survives_json_round_trip() -> None:
 
 def test_decodes_vllm_nixl_connector_output() -> None:
     rp = decode_remote_prefill(NIXL_OUTPUT)
-    assert rp.engine_id == NIXL_OUTPUT["remote_engine_id"]
-    assert rp.block_ids == ((1, 2, 3),) and rp.num_blocks == 3
-    assert (rp.host, rp.port, rp.tp_size, rp.num_tokens) == ("127.0.0.1", 44967, 1, 70)
-    assert rp.token == "" and rp.mode == "pull" and rp.expiry_time is None
+    t = rp.transfer
+    assert t.engine_id == NIXL_OUTPUT["remote_engine_id"]
+    assert rp.block_ids == ((1, 2, 3),)
+    assert (t.host, t.port, t.tp_size, rp.num_tokens) == ("127.0.0.1", 44967, 1, 70)
+    assert t.token == "" and rp.mode == "pull" and rp.expiry_time is None
 
 
 def test_flat_block_id_list_is_one_group() -> None:
@@ -106,3 +107,16 @@ def test_invalid_values_are_rejected(change: dict, fragment: str) -> None:
 def test_unknown_router_keys_are_ignored() -> None:
     params = dict(encode_remote_prefill(_rp()), router_hint="x", _remote_blocks_processed=True)
     assert decode_remote_prefill(params) == _rp()
+
+
+def test_one_record_holds_the_transfer_engines_params() -> None:
+    from kvbridge.nixl import TransferParams
+
+    rp = decode_remote_prefill(encode_remote_prefill(_rp(block_ids=((4, 5, 9), (1, 2, 3)),
+                                                         incarnation="inc")))
+    assert rp.transfer == TransferParams(engine_id="P0", host="10.1.2.3", port=5600, tp_size=2,
+                                         block_ids=(4, 5, 9), token="t0k", incarnation="inc",
+                                         request_id="req-7")
+    assert rp.block_ids == ((4, 5, 9), (1, 2, 3)) and rp.from_kvbridge
+    with pytest.raises(ParamsError, match="first group"):
+        RemotePrefill(rp.transfer, ((1, 2),))

@@ -1,4 +1,4 @@
-"""Scheduler-side arithmetic of a remote prefill."""
+"""Scheduler-side arithmetic and checks of a remote prefill (kvbridge.vllm.scheduling)."""
 
 from __future__ import annotations
 
@@ -6,51 +6,36 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvbridge.vllm.params import ParamsError, RemotePrefill, prefill_request_params
-from kvbridge.vllm.scheduling import (
-    blocks_for_tokens,
-    check_remote_blocks,
-    matched_tokens,
-    tokens_to_load,
-)
-
-REMOTE = {"do_remote_prefill": True}
+from kvbridge.vllm.params import ParamsError, RemotePrefill
+from kvbridge.vllm.scheduling import check_remote_blocks, check_remote_parallelism, tokens_to_load
 
 
-def _rp(blocks: tuple[tuple[int, ...], ...], num_tokens: int | None = 70) -> RemotePrefill:
-    return RemotePrefill(engine_id="P", host="h", port=1, request_id="r", block_ids=blocks,
-                         num_tokens=num_tokens)
-
-
-def test_blocks_for_tokens() -> None:
-    assert [blocks_for_tokens(n, 32) for n in (0, 1, 32, 33, 96, 200)] == [0, 1, 1, 2, 3, 7]
-    with pytest.raises(ValueError):
-        blocks_for_tokens(5, 0)
+def _rp(blocks: tuple[tuple[int, ...], ...] = ((1,),), num_tokens: int | None = 70,
+        **wire: object) -> RemotePrefill:
+    return RemotePrefill.of(engine_id="P", host="h", port=1, request_id="r", block_ids=blocks,
+                            num_tokens=num_tokens, **wire)
 
 
 def test_vllm_032_convention_loads_the_whole_prompt() -> None:
-    assert matched_tokens(REMOTE, 70, 0) == (70, True)
-    assert matched_tokens(REMOTE, 70, 64) == (6, True)  # local prefix-cache hit
-    assert matched_tokens(REMOTE, 70, 70) == (0, False)
+    rp = _rp(num_tokens=70)
+    assert tokens_to_load(rp, 70, 0) == 70
+    assert tokens_to_load(rp, 70, 64) == 6  # local prefix-cache hit
+    assert tokens_to_load(rp, 70, 70) == 0
 
 
-def test_older_convention_leaves_the_last_token() -> None:
-    assert matched_tokens(REMOTE, 70, 0, include_last_token=False) == (69, True)
-    assert matched_tokens(REMOTE, 1, 0, include_last_token=False) == (0, False)
+def test_an_older_prefill_engine_that_left_the_last_token_out_is_followed() -> None:
+    assert tokens_to_load(_rp(num_tokens=69), 70, 0) == 69
+    assert tokens_to_load(_rp(num_tokens=None), 70, 0) == 70  # unknown: the whole prompt
+    with pytest.raises(ValueError):
+        tokens_to_load(_rp(), -1, 0)
 
 
-def test_requests_without_remote_prefill_load_nothing() -> None:
-    assert matched_tokens(None, 70, 0) == (0, False)
-    assert matched_tokens(prefill_request_params(), 70, 0) == (0, False)
-    assert matched_tokens({"do_remote_prefill": False}, 70, 0) == (0, False)
-
-
-@given(st.integers(0, 5000), st.integers(0, 5000), st.booleans())
-def test_loaded_plus_computed_never_exceeds_prompt(n: int, c: int, last: bool) -> None:
-    k = tokens_to_load(n, c, include_last_token=last)
+@given(st.integers(0, 5000), st.integers(0, 5000), st.one_of(st.none(), st.integers(0, 5000)))
+def test_loaded_plus_computed_never_exceeds_prompt_or_prefill(n: int, c: int, p: int | None) -> None:
+    k = tokens_to_load(_rp(num_tokens=p), n, c)
     assert k >= 0
     if k:
-        assert c + k == (n if last else n - 1)
+        assert c + k == (n if p is None else min(n, p))
 
 
 def test_check_remote_blocks() -> None:
@@ -62,3 +47,11 @@ def test_check_remote_blocks() -> None:
         check_remote_blocks(_rp(((1, 2, 3, 4, 5, 6, 7),), num_tokens=70), 200, 32)
     # Larger remote blocks: 70 tokens fit in 2 blocks of 64.
     check_remote_blocks(_rp(((8, 9),)), 70, 64)
+
+
+def test_check_remote_parallelism() -> None:
+    check_remote_parallelism(_rp())
+    with pytest.raises(ParamsError, match="pp_size=2"):
+        check_remote_parallelism(_rp(pp_size=2))
+    with pytest.raises(ParamsError, match="dcp_size=3"):
+        check_remote_parallelism(_rp(dcp_size=3))

@@ -59,7 +59,7 @@ def test_prefill_holds_the_computed_blocks_and_returns_vllm_style_params() -> No
     assert out["tp_size"] == 2 and out["remote_num_tokens"] == 40 and out["remote_block_size"] == 16
     assert out["kvbridge_incarnation"] == "inc-1" and out["kvbridge_version"] == PARAMS_VERSION
     rp = decode_remote_prefill(out)
-    assert rp.token == token and rp.incarnation == "inc-1"
+    assert rp.transfer.token == token and rp.transfer.incarnation == "inc-1"
     assert p.take_orders().empty  # orders go out once
     # a second request gets its own token
     finish_prefill(p, "p-2")
@@ -90,7 +90,7 @@ def test_decode_matches_every_computed_prompt_token_and_orders_one_load() -> Non
     assert params["do_remote_prefill"] is False and params[PROCESSED_KEY] is True
     (ld,) = d.take_orders().loads
     assert ld.request_id == "d-1" and ld.local_block_ids == (5, 6) and ld.computed_tokens == 16
-    assert ld.source.request_id == "p-1" and ld.source.block_ids == ((7, 3, 9),)
+    assert ld.source.transfer.request_id == "p-1" and ld.source.block_ids == ((7, 3, 9),)
     # vLLM may call after_alloc again after the load: nothing new is ordered
     d.after_alloc("d-1", params, 40, [[8]], computed_blocks=0, num_external_tokens=0)
     assert d.take_orders().empty
@@ -112,7 +112,7 @@ def test_full_local_hit_and_abort_before_allocation_release_the_prefill_blocks()
     assert d.finished("d-2", aborted, completed=False, block_ids=([],), num_computed_tokens=0,
                       num_prompt_tokens=40) == (False, None)
     orders = d.take_orders()
-    assert orders.loads == () and [r.request_id for r in orders.releases] == ["p-1", "p-2"]
+    assert orders.loads == () and [r.transfer.request_id for r in orders.releases] == ["p-1", "p-2"]
     # a request that was loaded is not released again when it finishes
     loaded = finish_prefill(p, "p-3")
     d.after_alloc("d-3", loaded, 40, [[1, 2, 3]], 0, 40)
@@ -127,11 +127,11 @@ def test_queued_requests_handshake_at_once_and_renew_every_heartbeat() -> None:
     p, d = prefill(), decode(clock)
     params = finish_prefill(p, "p-1")
     d.on_new_request("d-1", params, 40)
-    assert [r.request_id for r in d.take_orders().renewals] == ["p-1"]  # handshake now
+    assert [r.transfer.request_id for r in d.take_orders().renewals] == ["p-1"]  # handshake now
     clock.t += 4.9
     assert d.take_orders().empty
     clock.t += 0.2
-    assert [r.request_id for r in d.take_orders().renewals] == ["p-1"]
+    assert [r.transfer.request_id for r in d.take_orders().renewals] == ["p-1"]
     assert d.queued == 1
     d.after_alloc("d-1", params, 40, [[4, 5, 6]], 0, 40)
     clock.t += 10
@@ -144,6 +144,8 @@ def test_queued_requests_handshake_at_once_and_renew_every_heartbeat() -> None:
     "foreign",  # made by another connector: no kvbridge token
     "short",  # block lists cannot hold the prompt
     "push",  # the other side runs another mode
+    "pp",  # the prefill engine ran pipeline parallel
+    "dcp",  # ... or decode context parallel
 ])
 def test_unusable_params_mean_local_compute_with_one_warning(bad, caplog) -> None:
     p, d = prefill(), decode()
@@ -154,6 +156,8 @@ def test_unusable_params_mean_local_compute_with_one_warning(bad, caplog) -> Non
         params["remote_block_ids"] = [[7]]
     elif bad == "push":
         params["transfer_mode"] = "push"
+    elif bad in ("pp", "dcp"):
+        params[f"{bad}_size"] = 2
     else:
         params = bad
     with caplog.at_level("WARNING", logger="kvbridge.vllm"):
@@ -185,3 +189,36 @@ def test_bad_construction_is_refused() -> None:
     with pytest.raises(ValueError, match="block_size"):
         SchedulerState(engine_id="x", block_size=0, tp_size=1, address=("h", 1), producer=True,
                        consumer=False, heartbeat_s=1)
+
+
+@pytest.mark.parametrize(("key", "setting"), [("pp_size", "pipeline_parallel_size=1"),
+                                              ("dcp_size", "decode_context_parallel_size=1")])
+def test_params_of_a_pipeline_or_context_parallel_prefill_are_refused_by_name(
+        key: str, setting: str, caplog) -> None:
+    params = dict(finish_prefill(prefill(), prompt=40), **{key: 4})
+    d = decode()
+    with caplog.at_level("WARNING", logger="kvbridge.vllm"):
+        assert d.matched_tokens("d-1", params, 40, 0) == (0, False)
+    (msg,) = [r.getMessage() for r in caplog.records if "d-1" in r.getMessage()]
+    assert f"{key}=4" in msg and setting in msg and "computed locally" in msg
+
+
+def test_params_are_parsed_once_per_request(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvbridge.vllm import steps
+
+    calls = []
+    real = steps.decode_remote_prefill
+    monkeypatch.setattr(steps, "decode_remote_prefill", lambda p: calls.append(p) or real(p))
+    p, d = prefill(), decode()
+    params = finish_prefill(p, prompt=40)
+    d.on_new_request("d-1", params, 40)
+    for _ in range(3):
+        assert d.matched_tokens("d-1", params, 40, 0) == (40, True)
+    d.after_alloc("d-1", params, 40, [[1, 2, 3]], 0, 40)
+    (ld,) = d.take_orders().loads
+    assert len(calls) == 1 and ld.source == decode_remote_prefill(params | {"do_remote_prefill": True})
+    # a finished request's parse is forgotten: the same id with new params is parsed again
+    d.finished("d-1", params, completed=True, block_ids=([1, 2, 3],), num_computed_tokens=41,
+               num_prompt_tokens=40)
+    assert d.matched_tokens("d-1", finish_prefill(p, "p-2"), 40, 0) == (40, True)
+    assert len(calls) == 2

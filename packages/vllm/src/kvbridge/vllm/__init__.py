@@ -1,14 +1,16 @@
 """kvbridge KV connector for vLLM (uses the vLLM and torch already installed).
 
 vLLM loads the connector class with ``kv_connector_module_path="kvbridge.vllm"``
-and ``kv_connector="KVBridgeConnector"``; the class lives in
-:mod:`kvbridge.vllm.connector` and is imported on first access, so the
-vLLM-independent parts exported here (configuration, ``kv_transfer_params``,
-scheduler bookkeeping, cache description, report aggregation) import without
-vLLM, torch or NIXL.
+and ``kv_connector="KVBridgeConnector"``. The names that import vLLM (the
+connector facade, its wire values and metrics) are imported on first access,
+so the vLLM-independent parts exported here (configuration,
+``kv_transfer_params``, scheduler bookkeeping, cache description, stats data)
+import without vLLM, torch or NIXL. The two halves of the connector,
+:class:`kvbridge.vllm.scheduler.SchedulerSide` and
+:class:`kvbridge.vllm.worker.WorkerSide`, import no vLLM either but use the
+transfer engines (torch, NIXL); they are served lazily too.
 """
 
-from kvbridge.vllm.aggregate import MergedReport, OutputAggregator, WorkerReport, merge_stats
 from kvbridge.vllm.cachespec import (
     CacheShapeError,
     LayerTensor,
@@ -22,6 +24,8 @@ from kvbridge.vllm.config import (
     ConfigError,
     ConfigKey,
     ConnectorConfig,
+    EngineRoles,
+    check_engine_support,
     parse_connector_config,
 )
 from kvbridge.vllm.params import (
@@ -34,58 +38,71 @@ from kvbridge.vllm.params import (
     is_remote_prefill,
     prefill_request_params,
 )
-from kvbridge.vllm.scheduling import (
-    blocks_for_tokens,
-    check_remote_blocks,
-    matched_tokens,
-    tokens_to_load,
-)
+from kvbridge.vllm.scheduling import check_remote_blocks, check_remote_parallelism, tokens_to_load
+from kvbridge.vllm.stats import merge_stats
 from kvbridge.vllm.steps import HoldOrder, LoadOrder, SchedulerState, StepOrders
 
-#: names served from kvbridge.vllm.connector on first access (they import vLLM)
-_CONNECTOR_NAMES = ("KVBridgeConnector", "KVBridgeConnectorMetadata", "KVBridgeHandshake",
-                    "KVBridgeStats")
+#: names served on first access, by module (they import vLLM, or torch and NIXL)
+_LAZY = {
+    "KVBridgeConnector": "connector",
+    "KVBridgeConnectorMetadata": "connector",
+    "KVBridgeHandshake": "connector",
+    "KVBridgePromMetrics": "metrics",
+    "KVBridgeStats": "metrics",
+    "Registration": "registration",
+    "SchedulerSide": "scheduler",
+    "TransferResults": "worker",
+    "WorkerSide": "worker",
+    "register_caches": "registration",
+}
 
 
 def __getattr__(name: str):
-    if name in _CONNECTOR_NAMES:
-        from kvbridge.vllm import connector
+    if name in _LAZY:
+        import importlib
 
-        return getattr(connector, name)
+        return getattr(importlib.import_module(f"kvbridge.vllm.{_LAZY[name]}"), name)
     raise AttributeError(f"module 'kvbridge.vllm' has no attribute {name!r}")
 
 
 __all__ = [
     "CONFIG_KEYS",
-    "CacheShapeError",
-    "HoldOrder",
-    "KVBridgeConnector",
-    "LayerTensor",
-    "LoadOrder",
-    "ModelFacts",
-    "SchedulerState",
-    "StepOrders",
-    "engine_spec_for",
-    "layer_sort_key",
-    "model_identity",
     "PARAMS_VERSION",
+    "CacheShapeError",
     "ConfigError",
     "ConfigKey",
     "ConnectorConfig",
-    "MergedReport",
-    "OutputAggregator",
+    "EngineRoles",
+    "HoldOrder",
+    "KVBridgeConnector",
+    "KVBridgeConnectorMetadata",
+    "KVBridgeHandshake",
+    "KVBridgePromMetrics",
+    "KVBridgeStats",
+    "LayerTensor",
+    "LoadOrder",
+    "ModelFacts",
     "ParamsError",
+    "Registration",
     "RemotePrefill",
-    "WorkerReport",
-    "blocks_for_tokens",
+    "SchedulerSide",
+    "SchedulerState",
+    "StepOrders",
+    "TransferResults",
+    "WorkerSide",
+    "check_engine_support",
     "check_remote_blocks",
+    "check_remote_parallelism",
     "decode_remote_prefill",
     "encode_remote_prefill",
+    "engine_spec_for",
     "is_prefill_request",
     "is_remote_prefill",
-    "matched_tokens",
+    "layer_sort_key",
     "merge_stats",
+    "model_identity",
     "parse_connector_config",
     "prefill_request_params",
+    "register_caches",
     "tokens_to_load",
 ]

@@ -19,6 +19,8 @@ __all__ = [
     "ConfigError",
     "ConfigKey",
     "ConnectorConfig",
+    "EngineRoles",
+    "check_engine_support",
     "parse_connector_config",
 ]
 
@@ -30,51 +32,12 @@ class ConfigError(ValueError):
 
 
 @dataclass(frozen=True)
-class ConfigKey:
-    """One setting: its extra-config key, environment variables (first set wins),
-    default, and a one-line description for error messages and docs."""
-
-    key: str
-    env: tuple[str, ...]
-    default: Any
-    help: str
-
-
-CONFIG_KEYS: tuple[ConfigKey, ...] = (
-    ConfigKey("mode", ("KVBRIDGE_MODE",), "pull",
-              "'pull' (decode reads from prefill) or 'push' (prefill writes to decode)"),
-    ConfigKey("backends", ("KVBRIDGE_BACKENDS",), ("UCX",),
-              "NIXL backends, a list (environment: comma-separated)"),
-    ConfigKey("ucx_threads", ("KVBRIDGE_UCX_THREADS",), 1,
-              "progress threads of the NIXL UCX backend (0 = none)"),
-    ConfigKey("progress_thread", ("KVBRIDGE_PROGRESS_THREAD",), False,
-              "run NIXL's progress thread in every agent (spins a core while idle; the connector "
-              "polls NIXL every engine step instead)"),
-    ConfigKey("huge_pages", ("KVBRIDGE_HUGE_PAGES",), True,
-              "back host-memory KV caches with transparent huge pages before registering them "
-              "(host READs run faster; no effect on GPU caches)"),
-    ConfigKey("lease_seconds", ("KVBRIDGE_LEASE_SECONDS",), 120.0,
-              "how long prefill holds a request's blocks for decode without renewal"),
-    ConfigKey("heartbeat_seconds", ("KVBRIDGE_HEARTBEAT_SECONDS",), None,
-              "lease renewal interval of waiting decode requests (default lease/4)"),
-    ConfigKey("handshake_timeout_seconds", ("KVBRIDGE_HANDSHAKE_TIMEOUT_SECONDS",), 10.0,
-              "bound on one side-channel handshake"),
-    ConfigKey("transfer_timeout_seconds", ("KVBRIDGE_TRANSFER_TIMEOUT_SECONDS",), 120.0,
-              "bound on one request's transfer before it is failed"),
-    ConfigKey("enforce_compat", ("KVBRIDGE_ENFORCE_COMPAT",), True,
-              "refuse peers whose compatibility hash differs"),
-    ConfigKey("side_channel_host", ("KVBRIDGE_SIDE_CHANNEL_HOST", "VLLM_NIXL_SIDE_CHANNEL_HOST"),
-              "127.0.0.1", "address the prefill side channel listens on and advertises"),
-    ConfigKey("side_channel_port", ("KVBRIDGE_SIDE_CHANNEL_PORT", "VLLM_NIXL_SIDE_CHANNEL_PORT"),
-              5600, "side-channel port (plus the data-parallel index)"),
-)
-
-_BY_KEY = {k.key: k for k in CONFIG_KEYS}
-
-
-@dataclass(frozen=True)
 class ConnectorConfig:
-    """Validated connector settings (see ``CONFIG_KEYS`` for meanings)."""
+    """Validated connector settings; the defaults here are the only declaration of them
+    (see ``CONFIG_KEYS`` for each setting's key, environment variables and meaning).
+
+    ``heartbeat_seconds=None`` means a quarter of ``lease_seconds``.
+    """
 
     mode: Mode = "pull"
     backends: tuple[str, ...] = ("UCX",)
@@ -82,12 +45,23 @@ class ConnectorConfig:
     progress_thread: bool = False
     huge_pages: bool = True
     lease_seconds: float = 120.0
-    heartbeat_seconds: float = 30.0
+    heartbeat_seconds: float = None  # type: ignore[assignment]  # resolved to lease / 4
     handshake_timeout_seconds: float = 10.0
     transfer_timeout_seconds: float = 120.0
     enforce_compat: bool = True
     side_channel_host: str = "127.0.0.1"
     side_channel_port: int = 5600
+
+    def __post_init__(self) -> None:
+        if self.heartbeat_seconds is None:
+            object.__setattr__(self, "heartbeat_seconds", self.lease_seconds / 4)
+        if self.heartbeat_seconds >= self.lease_seconds:
+            raise ConfigError(
+                f"heartbeat_seconds ({self.heartbeat_seconds:g}) must be shorter than "
+                f"lease_seconds ({self.lease_seconds:g}), or the lease lapses between renewals; "
+                "change them in kv_connector_extra_config "
+                "(or KVBRIDGE_HEARTBEAT_SECONDS / KVBRIDGE_LEASE_SECONDS)"
+            )
 
     def port_for(self, data_parallel_index: int) -> int:
         """The side-channel port of one data-parallel replica."""
@@ -101,11 +75,55 @@ class ConnectorConfig:
             )
         return port
 
-    def to_extra_config(self) -> dict[str, Any]:
-        """The ``kv_connector_extra_config`` dict that parses back to this config."""
-        out = {f.name: getattr(self, f.name) for f in fields(self)}
-        out["backends"] = list(self.backends)
-        return out
+
+_DEFAULTS: dict[str, Any] = {f.name: f.default for f in fields(ConnectorConfig)}
+
+
+@dataclass(frozen=True)
+class ConfigKey:
+    """One setting: its extra-config key, environment variables (first set wins) and a
+    one-line description for error messages and docs; its default is the
+    :class:`ConnectorConfig` field's."""
+
+    key: str
+    env: tuple[str, ...]
+    help: str
+
+    @property
+    def default(self) -> Any:
+        return _DEFAULTS[self.key]
+
+
+CONFIG_KEYS: tuple[ConfigKey, ...] = (
+    ConfigKey("mode", ("KVBRIDGE_MODE",),
+              "'pull' (decode reads from prefill) or 'push' (prefill writes to decode)"),
+    ConfigKey("backends", ("KVBRIDGE_BACKENDS",),
+              "NIXL backends, a list (environment: comma-separated)"),
+    ConfigKey("ucx_threads", ("KVBRIDGE_UCX_THREADS",),
+              "progress threads of the NIXL UCX backend (0 = none)"),
+    ConfigKey("progress_thread", ("KVBRIDGE_PROGRESS_THREAD",),
+              "run NIXL's progress thread in every agent (spins a core while idle; the connector "
+              "polls NIXL every engine step instead)"),
+    ConfigKey("huge_pages", ("KVBRIDGE_HUGE_PAGES",),
+              "back host-memory KV caches with transparent huge pages before registering them "
+              "(host READs run faster; no effect on GPU caches)"),
+    ConfigKey("lease_seconds", ("KVBRIDGE_LEASE_SECONDS",),
+              "how long prefill holds a request's blocks for decode without renewal"),
+    ConfigKey("heartbeat_seconds", ("KVBRIDGE_HEARTBEAT_SECONDS",),
+              "lease renewal interval of waiting decode requests (default lease/4)"),
+    ConfigKey("handshake_timeout_seconds", ("KVBRIDGE_HANDSHAKE_TIMEOUT_SECONDS",),
+              "bound on one side-channel handshake"),
+    ConfigKey("transfer_timeout_seconds", ("KVBRIDGE_TRANSFER_TIMEOUT_SECONDS",),
+              "bound on one request's transfer before it is failed"),
+    ConfigKey("enforce_compat", ("KVBRIDGE_ENFORCE_COMPAT",),
+              "refuse peers whose compatibility hash differs"),
+    ConfigKey("side_channel_host", ("KVBRIDGE_SIDE_CHANNEL_HOST", "VLLM_NIXL_SIDE_CHANNEL_HOST"),
+              "address the prefill side channel listens on and advertises"),
+    ConfigKey("side_channel_port", ("KVBRIDGE_SIDE_CHANNEL_PORT", "VLLM_NIXL_SIDE_CHANNEL_PORT"),
+              "side-channel port (plus the data-parallel index)"),
+)
+
+_BY_KEY = {k.key: k for k in CONFIG_KEYS}
 
 
 # --------------------------------------------------------------------------- parsing
@@ -244,13 +262,53 @@ def parse_connector_config(
             raw = env[env_var]
         values[spec.key] = _PARSERS[spec.key](spec.key, raw, env_var)
 
-    lease = values.get("lease_seconds", _BY_KEY["lease_seconds"].default)
-    heartbeat = values.get("heartbeat_seconds", lease / 4)
-    if heartbeat >= lease:
-        raise ConfigError(
-            f"heartbeat_seconds ({heartbeat:g}) must be shorter than lease_seconds ({lease:g}), "
-            "or the lease lapses between renewals; change them in kv_connector_extra_config "
-            "(or KVBRIDGE_HEARTBEAT_SECONDS / KVBRIDGE_LEASE_SECONDS)"
-        )
-    values["heartbeat_seconds"] = heartbeat
     return ConnectorConfig(**values)
+
+
+# --------------------------------------------------------------------------- what vLLM runs
+
+
+@dataclass(frozen=True)
+class EngineRoles:
+    """Which halves of the transfer one engine runs (from vLLM's ``kv_role``)."""
+
+    producer: bool  # prefill: holds finished requests' blocks for decode engines
+    consumer: bool  # decode: loads prompts' blocks from prefill engines
+
+
+def check_engine_support(config: ConnectorConfig, *, kv_role: str | None, kv_cache_groups: int = 1,
+                         pipeline_parallel_size: int = 1, decode_context_parallel_size: int = 1,
+                         prefill_context_parallel_size: int = 1) -> EngineRoles:
+    """Refuse, at connector start-up, a vLLM engine configuration the connector cannot serve.
+
+    Raises :class:`ConfigError` naming the setting and what to change; returns the
+    engine's roles otherwise. Pipeline parallelism and context parallelism (decode
+    or prefill) split a request's KV cache between ranks in ways kvbridge's transfer
+    plan does not describe: running with them would load wrong blocks.
+    """
+    if kv_role not in ("kv_producer", "kv_consumer", "kv_both"):
+        raise ConfigError(f"kv_role must be kv_producer, kv_consumer or kv_both, got {kv_role!r}")
+    if config.mode != "pull":
+        raise ConfigError(
+            "KVBridgeConnector supports mode 'pull' (decode reads from prefill) with vLLM; "
+            "'push' is available in kvbridge.nixl for other engines. Set "
+            "kv_connector_extra_config['mode'] = 'pull'"
+        )
+    for name, size in (("pipeline_parallel_size", pipeline_parallel_size),
+                       ("decode_context_parallel_size", decode_context_parallel_size),
+                       ("prefill_context_parallel_size", prefill_context_parallel_size)):
+        if size != 1:
+            flag = "--" + name.replace("_", "-")
+            raise ConfigError(
+                f"KVBridgeConnector does not support {name}={size}: kvbridge transfers KV caches "
+                f"split by tensor parallelism only. Run this engine with {name}=1 ({flag} 1) and "
+                "use tensor_parallel_size to spread it over more devices"
+            )
+    if kv_cache_groups > 1:
+        raise ConfigError(
+            f"this model has {kv_cache_groups} KV-cache groups (sliding-window, Mamba or mixed "
+            "attention layers); KVBridgeConnector transfers models whose attention layers "
+            "share one group. Use a model with uniform full attention, or vLLM's NixlConnector"
+        )
+    return EngineRoles(producer=kv_role in ("kv_producer", "kv_both"),
+                       consumer=kv_role in ("kv_consumer", "kv_both"))

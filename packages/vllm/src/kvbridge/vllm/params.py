@@ -6,14 +6,18 @@ as the decode request's ``kv_transfer_params``. The keys are the ones vLLM's
 NixlConnector uses (so routers and vLLM's proxy examples work unchanged), plus
 kvbridge's own keys, all prefixed ``kvbridge_``.
 
-This module imports nothing from vLLM.
+This module imports nothing from vLLM; it imports :mod:`kvbridge.nixl` (for its
+``TransferParams``) when the first parameters are parsed.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from kvbridge.nixl import TransferParams
 
 __all__ = [
     "PARAMS_VERSION",
@@ -39,36 +43,52 @@ class ParamsError(ValueError):
 
 @dataclass(frozen=True)
 class RemotePrefill:
-    """What a decode engine needs to pull one request's KV from a prefill engine.
+    """One decode request's source, parsed once from its ``kv_transfer_params``.
 
-    ``block_ids`` holds one tuple of prefill block ids per KV-cache group.
-    ``token`` is the request token kvbridge issues with the parameters; the
-    prefill side ignores notifications that do not carry it. It is empty for
-    parameters produced by another connector (vLLM's NixlConnector).
+    ``transfer`` is the transfer engine's record (:class:`kvbridge.nixl.TransferParams`:
+    prefill engine id, side-channel address, TP size, the first group's block ids,
+    token, incarnation, prefill request id), built once here and handed to
+    :meth:`kvbridge.nixl.DecodeEngine.load` as is. The other fields are what
+    vLLM's wire format adds: ``block_ids`` per KV-cache group, the prompt tokens
+    the prefill engine computed, its mode, pipeline/context-parallel sizes, block
+    size and lease expiry. Build one with :meth:`of`.
     """
 
-    engine_id: str
-    host: str
-    port: int
-    request_id: str
+    transfer: TransferParams
     block_ids: tuple[tuple[int, ...], ...]
-    tp_size: int = 1
     num_tokens: int | None = None
     mode: Literal["pull", "push"] = "pull"
-    token: str = ""
     dcp_size: int = 1
     pp_size: int = 1
     block_size: int | None = None
     expiry_time: float | None = None
-    #: the prefill engine's incarnation (fresh per start), to detect restarts
-    incarnation: str = ""
+
+    @classmethod
+    def of(cls, *, engine_id: str, host: str, port: int, request_id: str,
+           block_ids: tuple[tuple[int, ...], ...], tp_size: int = 1, token: str = "",
+           incarnation: str = "", **wire: Any) -> RemotePrefill:
+        """Validate the prefill engine's fields, build its :class:`TransferParams` and
+        the record (``wire``: the other fields of :class:`RemotePrefill`)."""
+        _check_str("remote_engine_id", engine_id)
+        _check_str("remote_host", host)
+        _check_str("remote_request_id", request_id)
+        _check_int("remote_port", port, lo=1, hi=65535)
+        _check_int("tp_size", tp_size, lo=1)
+        if not isinstance(token, str):
+            raise ParamsError(f"kvbridge_token must be a string, got {token!r}")
+        if not isinstance(incarnation, str):
+            raise ParamsError(f"kvbridge_incarnation must be a string, got {incarnation!r}")
+        # the transfer engine's record; kvbridge.nixl imports torch and NIXL, so it is
+        # imported when the first request is parsed, not when this module is
+        from kvbridge.nixl import TransferParams
+
+        first = block_ids[0] if block_ids else ()
+        transfer = TransferParams(engine_id=engine_id, host=host, port=port, tp_size=tp_size,
+                                  block_ids=tuple(first), token=token, incarnation=incarnation,
+                                  request_id=request_id)
+        return cls(transfer, tuple(block_ids), **wire)
 
     def __post_init__(self) -> None:
-        _check_str("remote_engine_id", self.engine_id)
-        _check_str("remote_host", self.host)
-        _check_str("remote_request_id", self.request_id)
-        _check_int("remote_port", self.port, lo=1, hi=65535)
-        _check_int("tp_size", self.tp_size, lo=1)
         _check_int("dcp_size", self.dcp_size, lo=1)
         _check_int("pp_size", self.pp_size, lo=1)
         if self.num_tokens is not None:
@@ -77,19 +97,15 @@ class RemotePrefill:
             _check_int("remote_block_size", self.block_size, lo=1)
         if self.mode not in ("pull", "push"):
             raise ParamsError(f"transfer_mode must be 'pull' or 'push', got {self.mode!r}")
-        if not isinstance(self.token, str):
-            raise ParamsError(f"kvbridge_token must be a string, got {self.token!r}")
-        if not isinstance(self.incarnation, str):
-            raise ParamsError(f"kvbridge_incarnation must be a string, got {self.incarnation!r}")
+        first = self.block_ids[0] if self.block_ids else ()
+        if tuple(self.transfer.block_ids) != first:
+            raise ParamsError("RemotePrefill.transfer.block_ids must be the first group of "
+                              "block_ids; build the record with RemotePrefill.of")
 
     @property
     def from_kvbridge(self) -> bool:
         """True when a kvbridge prefill engine issued these parameters (they carry its token)."""
-        return bool(self.token)
-
-    @property
-    def num_blocks(self) -> int:
-        return sum(len(g) for g in self.block_ids)
+        return bool(self.transfer.token)
 
 
 def _check_str(name: str, v: Any) -> None:
@@ -122,23 +138,24 @@ def is_remote_prefill(params: Mapping[str, Any] | None) -> bool:
 
 def encode_remote_prefill(rp: RemotePrefill) -> dict[str, Any]:
     """The prefill output's ``kv_transfer_params`` for ``rp``, in vLLM's keys."""
+    t = rp.transfer
     out: dict[str, Any] = {
         "do_remote_prefill": True,
         "do_remote_decode": False,
         "remote_block_ids": [list(g) for g in rp.block_ids],
-        "remote_engine_id": rp.engine_id,
-        "remote_request_id": rp.request_id,
-        "remote_host": rp.host,
-        "remote_port": rp.port,
-        "tp_size": rp.tp_size,
+        "remote_engine_id": t.engine_id,
+        "remote_request_id": t.request_id,
+        "remote_host": t.host,
+        "remote_port": t.port,
+        "tp_size": t.tp_size,
         "dcp_size": rp.dcp_size,
         "pp_size": rp.pp_size,
         "remote_num_tokens": rp.num_tokens,
         "remote_blocks_expiry_time": rp.expiry_time,
         "transfer_mode": rp.mode,
         "kvbridge_version": PARAMS_VERSION,
-        "kvbridge_token": rp.token,
-        "kvbridge_incarnation": rp.incarnation,
+        "kvbridge_token": t.token,
+        "kvbridge_incarnation": t.incarnation,
     }
     if rp.block_size is not None:
         out["remote_block_size"] = rp.block_size
@@ -191,7 +208,7 @@ def decode_remote_prefill(params: Mapping[str, Any]) -> RemotePrefill:
         v = params.get(key)
         return default if v is None else v
 
-    return RemotePrefill(
+    return RemotePrefill.of(
         engine_id=params["remote_engine_id"],
         host=params["remote_host"],
         port=params["remote_port"],

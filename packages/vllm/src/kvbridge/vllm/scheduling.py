@@ -1,56 +1,30 @@
-"""Scheduler-side arithmetic of a remote prefill, independent of vLLM.
+"""Scheduler-side arithmetic and checks of one remote prefill, independent of vLLM.
 
 vLLM asks the connector how many prompt tokens beyond the locally computed
 ones it can load (``get_num_new_matched_tokens``). For a decode request whose
-KV comes from a prefill engine the answer covers the prompt; vLLM 0.32's
-scheduler itself recomputes the last prompt token when the load covered the
-whole prompt (it needs that token's logits to sample), and older vLLM versions
-expected the connector to leave the last token out. Both conventions are
-supported here.
+KV comes from a prefill engine the answer covers every prompt token the
+prefill engine computed: vLLM >= 0.32's scheduler itself recomputes the last
+prompt token when the load covered the whole prompt (it needs that token's
+logits to sample); a prefill engine of an older vLLM leaves that token out and
+says so in ``remote_num_tokens``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from kvbridge.topology import blocks_for_tokens
+from kvbridge.vllm.params import ParamsError, RemotePrefill
 
-from kvbridge.vllm.params import ParamsError, RemotePrefill, is_remote_prefill
-
-__all__ = ["blocks_for_tokens", "check_remote_blocks", "matched_tokens", "tokens_to_load"]
+__all__ = ["check_remote_blocks", "check_remote_parallelism", "tokens_to_load"]
 
 
-def blocks_for_tokens(num_tokens: int, block_size: int) -> int:
-    """Blocks of ``block_size`` tokens needed to hold ``num_tokens``."""
-    if block_size < 1 or num_tokens < 0:
-        raise ValueError(f"need block_size >= 1 and num_tokens >= 0, got {block_size}, {num_tokens}")
-    return -(-num_tokens // block_size)
-
-
-def tokens_to_load(num_prompt_tokens: int, num_computed_tokens: int, *,
-                   include_last_token: bool = True) -> int:
-    """Prompt tokens to pull beyond the ``num_computed_tokens`` already local.
-
-    ``include_last_token=False`` leaves the last prompt token to be computed
-    locally (the convention before vLLM's scheduler did that itself).
-    """
+def tokens_to_load(rp: RemotePrefill, num_prompt_tokens: int, num_computed_tokens: int) -> int:
+    """Prompt tokens to load from ``rp``'s prefill engine beyond the ``num_computed_tokens``
+    already present locally: the prompt, or the tokens the prefill engine computed
+    when it says it computed fewer."""
     if num_prompt_tokens < 0 or num_computed_tokens < 0:
-        raise ValueError("token counts must be >= 0")
-    target = num_prompt_tokens if include_last_token else max(num_prompt_tokens - 1, 0)
+        raise ValueError(f"token counts must be >= 0, got {num_prompt_tokens}, {num_computed_tokens}")
+    target = num_prompt_tokens if rp.num_tokens is None else min(rp.num_tokens, num_prompt_tokens)
     return max(target - num_computed_tokens, 0)
-
-
-def matched_tokens(params: Mapping[str, Any] | None, num_prompt_tokens: int,
-                   num_computed_tokens: int, *, include_last_token: bool = True) -> tuple[int, bool]:
-    """The ``(count, load_async)`` answer to vLLM's ``get_num_new_matched_tokens``.
-
-    ``(0, False)`` for requests without remote prefill parameters or with
-    nothing left to load; otherwise ``(count, True)``: the load is asynchronous.
-    """
-    if not is_remote_prefill(params):
-        return 0, False
-    n = tokens_to_load(num_prompt_tokens, num_computed_tokens,
-                       include_last_token=include_last_token)
-    return (n, True) if n > 0 else (0, False)
 
 
 def check_remote_blocks(rp: RemotePrefill, num_prompt_tokens: int, remote_block_size: int) -> None:
@@ -72,4 +46,16 @@ def check_remote_blocks(rp: RemotePrefill, num_prompt_tokens: int, remote_block_
             raise ParamsError(
                 f"remote_block_ids group {g} lists {len(blocks)} blocks, the prompt of "
                 f"{num_prompt_tokens} tokens needs {need} blocks of {remote_block_size} tokens"
+            )
+
+
+def check_remote_parallelism(rp: RemotePrefill) -> None:
+    """Refuse parameters of a prefill engine that splits KV by pipeline or decode-context
+    parallelism (only tensor parallelism is transferred)."""
+    for key, size in (("pp_size", rp.pp_size), ("dcp_size", rp.dcp_size)):
+        if size != 1:
+            raise ParamsError(
+                f"they come from a prefill engine with {key}={size}; kvbridge transfers KV "
+                "caches split by tensor parallelism only: run the prefill engine with "
+                "pipeline_parallel_size=1 and decode_context_parallel_size=1"
             )

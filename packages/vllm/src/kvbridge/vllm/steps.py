@@ -27,14 +27,16 @@ from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvbridge.topology import blocks_for_tokens
 from kvbridge.vllm.params import (
     ParamsError,
     RemotePrefill,
     decode_remote_prefill,
     encode_remote_prefill,
+    is_prefill_request,
     is_remote_prefill,
 )
-from kvbridge.vllm.scheduling import blocks_for_tokens, check_remote_blocks
+from kvbridge.vllm.scheduling import check_remote_blocks, check_remote_parallelism, tokens_to_load
 
 __all__ = ["HoldOrder", "LoadOrder", "SchedulerState", "StepOrders"]
 
@@ -49,9 +51,10 @@ class LoadOrder:
     """Decode: read one request's prompt blocks from its prefill engine."""
 
     request_id: str  # the decode engine's id of the request
-    source: RemotePrefill
+    source: RemotePrefill  # parsed once by the scheduler; source.transfer goes to the engine
     local_block_ids: tuple[int, ...]  # for the tokens from computed_tokens on
-    computed_tokens: int  # leading tokens already present locally (whole blocks)
+    computed_tokens: int  # leading tokens already present locally (whole blocks), in the
+    # unit DecodeEngine.load takes
 
 
 @dataclass(frozen=True)
@@ -109,7 +112,9 @@ class SchedulerState:
         self._releases: list[RemotePrefill] = []
         self._renew_now: list[RemotePrefill] = []
         self._last_heartbeat = clock()
-        self._warned: set[str] = set()
+        #: each decode request's kv_transfer_params, parsed once: its source, or None when
+        #: they were refused (logged once) and the prompt is computed locally
+        self._sources: dict[str, RemotePrefill | None] = {}
 
     def set_incarnation(self, incarnation: str) -> None:
         self.incarnation = incarnation
@@ -117,9 +122,22 @@ class SchedulerState:
     # ----- decode side ----------------------------------------------------
     def _source(self, request_id: str, params: Mapping[str, Any] | None, num_prompt_tokens: int
                 ) -> RemotePrefill | None:
-        """The prefill source of a decode request, or None (then it is computed locally)."""
+        """The prefill source of a decode request, or None (then it is computed locally).
+
+        The parameters are parsed and checked on the first call for a request; later
+        calls return that result until the request is forgotten.
+        """
         if not self.consumer or not is_remote_prefill(params):
             return None
+        if request_id in self._sources:
+            return self._sources[request_id]
+        if len(self._sources) > 65536:  # requests that never finished: keep the table bounded
+            self._sources.clear()
+        self._sources[request_id] = rp = self._parse(request_id, params, num_prompt_tokens)
+        return rp
+
+    def _parse(self, request_id: str, params: Mapping[str, Any] | None, num_prompt_tokens: int
+               ) -> RemotePrefill | None:
         try:
             rp = decode_remote_prefill(params)  # type: ignore[arg-type]
             if not rp.from_kvbridge:
@@ -130,20 +148,13 @@ class SchedulerState:
             if rp.mode != self.mode:
                 raise ParamsError(f"the prefill engine uses {rp.mode} mode, this engine {self.mode}; "
                                   "configure both engines with the same mode")
+            check_remote_parallelism(rp)
             check_remote_blocks(rp, num_prompt_tokens, rp.block_size or self.block_size)
         except ParamsError as exc:
-            self._warn_once(request_id, "request %s: ignoring its kv_transfer_params (%s); its "
-                            "prompt is computed locally", exc)
+            log.warning("request %s: ignoring its kv_transfer_params (%s); its prompt is "
+                        "computed locally", request_id, exc)
             return None
         return rp
-
-    def _warn_once(self, request_id: str, fmt: str, *args: object) -> None:
-        if request_id in self._warned:
-            return
-        if len(self._warned) > 65536:  # requests that never finished: keep the set bounded
-            self._warned.clear()
-        self._warned.add(request_id)
-        log.warning(fmt, request_id, *args)
 
     def matched_tokens(self, request_id: str, params: Mapping[str, Any] | None,
                        num_prompt_tokens: int, num_computed_tokens: int) -> tuple[int, bool]:
@@ -155,8 +166,7 @@ class SchedulerState:
         rp = self._source(request_id, params, num_prompt_tokens)
         if rp is None:
             return 0, False
-        target = num_prompt_tokens if rp.num_tokens is None else min(rp.num_tokens, num_prompt_tokens)
-        n = target - num_computed_tokens
+        n = tokens_to_load(rp, num_prompt_tokens, num_computed_tokens)
         return (n, True) if n > 0 else (0, False)
 
     def on_new_request(self, request_id: str, params: Mapping[str, Any] | None,
@@ -177,6 +187,7 @@ class SchedulerState:
         params["do_remote_prefill"] = False  # one transfer per request, even if rescheduled
         params[PROCESSED_KEY] = True
         self._queued.pop(request_id, None)
+        self._sources.pop(request_id, None)
         if rp is None:
             return
         if num_external_tokens <= 0:
@@ -195,22 +206,22 @@ class SchedulerState:
         stop), False when it was aborted or failed.
         """
         self._queued.pop(request_id, None)
-        self._warned.discard(request_id)
+        rp = self._source(request_id, params, num_prompt_tokens)  # None once loaded
+        self._sources.pop(request_id, None)
         if not params:
             return False, None
         if params.get("do_remote_prefill") and not params.get(PROCESSED_KEY):
             # a decode request that ends before its blocks were allocated: free the prefill side
-            rp = self._source(request_id, params, num_prompt_tokens)
             params["do_remote_prefill"] = False
             params[PROCESSED_KEY] = True
             if rp is not None:
                 self._releases.append(rp)
             return False, None
-        if not params.get("do_remote_decode") or not completed:
+        if not is_prefill_request(params) or not completed:
             return False, None
         if not self.producer:
-            self._warn_once(request_id, "request %s asks for remote decode but this engine's "
-                            "kv_role is not a producer; its blocks are freed")
+            log.warning("request %s asks for remote decode but this engine's kv_role is not a "
+                        "producer; its blocks are freed", request_id)
             return False, None
         if not self.incarnation:
             log.warning("request %s: the workers have not published their metadata; cannot hold "
@@ -223,7 +234,7 @@ class SchedulerState:
         token = secrets.token_hex(16)
         self._holds.append(HoldOrder(request_id, groups[0], token))
         host, port = self.address
-        out = encode_remote_prefill(RemotePrefill(
+        out = encode_remote_prefill(RemotePrefill.of(
             engine_id=self.engine_id, host=host, port=port, request_id=request_id,
             block_ids=groups, tp_size=self.tp_size, num_tokens=num_computed_tokens,
             mode="pull", token=token, block_size=self.block_size, incarnation=self.incarnation,
@@ -236,9 +247,9 @@ class SchedulerState:
         renewals = self._renew_now
         if self._queued and now - self._last_heartbeat >= self.heartbeat_s:
             self._last_heartbeat = now
-            seen = {(r.engine_id, r.request_id) for r in renewals}
+            seen = {(r.transfer.engine_id, r.transfer.request_id) for r in renewals}
             renewals = renewals + [r for r in self._queued.values()
-                                   if (r.engine_id, r.request_id) not in seen]
+                                   if (r.transfer.engine_id, r.transfer.request_id) not in seen]
         orders = StepOrders(tuple(self._loads), tuple(self._holds), tuple(self._releases),
                             tuple(renewals))
         self._loads, self._holds, self._releases, self._renew_now = [], [], [], []
@@ -248,7 +259,7 @@ class SchedulerState:
         """Drop per-request state of finished requests (bounded memory)."""
         for rid in request_ids:
             self._queued.pop(rid, None)
-            self._warned.discard(rid)
+            self._sources.pop(rid, None)
 
     @property
     def queued(self) -> int:

@@ -1,0 +1,78 @@
+"""The scheduler side of the connector: bookkeeping and the side-channel server.
+
+vLLM runs one scheduler-side connector in the engine core. Its
+:class:`SchedulerSide` keeps the per-request bookkeeping
+(:class:`~kvbridge.vllm.steps.SchedulerState`: what to load, hold, release
+and renew each step) and, on a prefill engine, serves every rank's handshake
+metadata on the side channel, where decode engines fetch it.
+
+Plain values in and out: this module imports nothing from vLLM (the facade,
+:mod:`kvbridge.vllm.connector`, translates).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+
+from kvbridge.handshake import MetadataServer, check_metadata, decode_metadata
+from kvbridge.vllm.config import ConnectorConfig, EngineRoles
+from kvbridge.vllm.steps import SchedulerState
+
+__all__ = ["SchedulerSide"]
+
+log = logging.getLogger("kvbridge.vllm")
+
+
+class SchedulerSide:
+    """The engine core's half of the connector (see the module docstring).
+
+    ``port`` is this engine's side-channel port (``config.port_for`` its
+    data-parallel index).
+    """
+
+    def __init__(self, *, engine_id: str, block_size: int, tp_size: int, config: ConnectorConfig,
+                 port: int, roles: EngineRoles) -> None:
+        self.engine_id = engine_id
+        self.host = config.side_channel_host
+        self.port = port
+        self.server: MetadataServer | None = None
+        self.state = SchedulerState(
+            engine_id=engine_id, block_size=block_size, tp_size=tp_size,
+            address=(self.host, port), producer=roles.producer, consumer=roles.consumer,
+            heartbeat_s=config.heartbeat_seconds, mode=config.mode,
+        )
+
+    def serve(self, payloads: Mapping[int, tuple[str, bytes]]) -> None:
+        """Serve every rank's metadata on the side channel (prefill side, pull mode).
+
+        ``payloads`` maps each rank to its (compatibility hash, encoded metadata),
+        as :meth:`kvbridge.vllm.worker.WorkerSide.handshake` returns them. The ranks
+        must agree on the hash and the incarnation; a second call replaces the
+        metadata of the ranks it names.
+        """
+        if not payloads:
+            return
+        hashes = {h for h, _ in payloads.values()}
+        if len(hashes) != 1:
+            raise ValueError(f"the ranks of engine {self.engine_id!r} disagree on the "
+                             f"compatibility hash ({sorted(hashes)}); they must run the same model")
+        mds = {rank: check_metadata(decode_metadata(md)) for rank, (_, md) in payloads.items()}
+        incarnations = {md.incarnation for md in mds.values()}
+        if len(incarnations) != 1:
+            raise ValueError(f"the ranks of engine {self.engine_id!r} report different "
+                             f"incarnations {sorted(incarnations)}")
+        if self.server is None:
+            self.server = MetadataServer(mds, compat_hash=hashes.pop(), host=self.host,
+                                         port=self.port)
+        else:
+            for rank, md in mds.items():
+                self.server.set_metadata(rank, md)
+        self.state.set_incarnation(incarnations.pop())
+        log.info("kvbridge: serving %d rank(s) of engine %s on %s:%d", len(mds), self.engine_id,
+                 self.server.host, self.server.port)
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            self.server = None

@@ -1,0 +1,135 @@
+"""What differs between vLLM versions, in one place.
+
+Each function reads one fact from a vLLM object, or imports one vLLM name,
+and knows the older spellings; the rest of the connector sees plain values.
+Supported: vLLM 0.32 (tested), and the older spellings noted here.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+try:  # vLLM >= 0.11
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+except ImportError:  # pragma: no cover - older vLLM
+    KVConnectorTransferResults = None  # type: ignore[assignment,misc]
+
+try:  # vLLM >= 0.11 labels where external cache hits come from
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+except ImportError:  # pragma: no cover - older vLLM
+    CacheHitSource = None  # type: ignore[assignment,misc]
+
+__all__ = [
+    "CacheHitSource",
+    "KVConnectorTransferResults",
+    "attention_backend_name",
+    "computed_block_count",
+    "dp_index",
+    "parallel_sizes",
+    "request_completed",
+    "required_kvcache_layout",
+    "select_groups",
+    "tp_rank",
+    "transfer_group_ids",
+    "transfer_groups",
+    "unhashed_block_ids",
+]
+
+log = logging.getLogger("kvbridge.vllm")
+
+
+def transfer_groups(kv_cache_config: KVCacheConfig | None) -> int:
+    """How many KV-cache groups a connector transfers (vLLM >= 0.32 may exclude some)."""
+    if kv_cache_config is None:
+        return 1
+    groups = getattr(kv_cache_config, "transfer_groups", None)
+    if groups is None:
+        groups = getattr(kv_cache_config, "kv_cache_groups", ())
+    return len(groups)
+
+
+def transfer_group_ids(kv_cache_config: KVCacheConfig | None) -> tuple[int, ...]:
+    ids = getattr(kv_cache_config, "transfer_group_ids", None)
+    return tuple(ids) if ids is not None else (0,)
+
+
+def select_groups(kv_cache_config: KVCacheConfig | None, block_ids: Any) -> tuple:
+    """Per-group block id lists of the transfer groups (vLLM >= 0.32 may exclude some)."""
+    sel = getattr(kv_cache_config, "select_transfer_block_ids", None)
+    if sel is not None and block_ids:
+        block_ids = sel(tuple(block_ids))
+    return tuple(block_ids)
+
+
+def unhashed_block_ids(blocks: KVCacheBlocks) -> list:
+    """Per-group ids of the newly allocated blocks (the ones a load writes)."""
+    if hasattr(blocks, "get_unhashed_block_ids_all_groups"):
+        return blocks.get_unhashed_block_ids_all_groups()
+    return [blocks.get_unhashed_block_ids()]  # pragma: no cover - older vLLM
+
+
+def computed_block_count(blocks: KVCacheBlocks) -> int:
+    """Leading blocks of the first group already present locally (prefix-cache hits)."""
+    first = blocks.blocks[0] if getattr(blocks, "blocks", None) else ()
+    return sum(1 for b in first if b.block_hash is not None and not b.is_null)
+
+
+def request_completed(request: Request) -> bool:
+    """True when a request finished normally (length or stop), not aborted or failed."""
+    from vllm.v1.request import RequestStatus
+
+    return request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+
+
+def dp_index(vllm_config: VllmConfig) -> int:
+    """This engine's data-parallel index."""
+    pc = vllm_config.parallel_config
+    return int(getattr(pc, "data_parallel_index", getattr(pc, "data_parallel_rank", 0)) or 0)
+
+
+def parallel_sizes(vllm_config: VllmConfig) -> dict[str, int]:
+    """The parallel sizes kvbridge refuses above 1, by vLLM's setting name (a setting an
+    older vLLM lacks reads as 1)."""
+    pc = vllm_config.parallel_config
+    return {name: int(getattr(pc, name, 1) or 1)
+            for name in ("pipeline_parallel_size", "decode_context_parallel_size",
+                         "prefill_context_parallel_size")}
+
+
+def tp_rank() -> int:
+    """This worker's tensor-parallel rank."""
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    return get_tensor_model_parallel_rank()
+
+
+def attention_backend_name(vllm_config: VllmConfig) -> str:
+    """The attention backend's name (part of the compatibility hash: caches of different
+    backends can order bytes differently inside a block)."""
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
+
+        names = sorted({b.get_name() for b in get_current_attn_backends(vllm_config)})
+        return ",".join(names) or "unknown"
+    except Exception:  # pragma: no cover - older vLLM
+        return "unknown"
+
+
+def required_kvcache_layout(use_mla: bool) -> str | None:
+    """The cache layout to ask vLLM for: heads contiguous per block (so they can be split
+    between TP sizes); MLA caches have one head and need none."""
+    if use_mla:
+        return None
+    try:
+        from vllm.v1.kv_cache_layout import KVCacheLayout  # noqa: F401 - vLLM >= 0.32
+
+        return "LBHNC"
+    except ImportError:  # pragma: no cover - older vLLM
+        return "HND"

@@ -1,0 +1,182 @@
+"""The worker side of the connector: one TP rank's transfer engines and their reports.
+
+vLLM runs one worker-side connector per rank. Its :class:`WorkerSide` owns the
+rank's :class:`kvbridge.nixl.PrefillEngine` (``kv_producer``) and/or
+:class:`kvbridge.nixl.DecodeEngine` (``kv_consumer``), carries out each step's
+:class:`~kvbridge.vllm.steps.StepOrders` and reports, between steps, which
+requests finished sending or receiving, which receives failed and which local
+blocks must be recomputed.
+
+Plain values in and out: this module imports nothing from vLLM (the facade,
+:mod:`kvbridge.vllm.connector`, translates), so it runs in tests with real
+torch tensors and real NIXL engines.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+from kvbridge.handshake import encode_metadata
+from kvbridge.memory import CacheRegions
+from kvbridge.nixl import DecodeEngine, EngineConfig, PrefillEngine, Stats
+from kvbridge.topology import EngineSpec
+from kvbridge.vllm.config import EngineRoles
+from kvbridge.vllm.stats import empty_stats, is_empty, stats_delta
+from kvbridge.vllm.steps import StepOrders
+
+__all__ = ["TransferResults", "WorkerSide"]
+
+log = logging.getLogger("kvbridge.vllm")
+
+
+@dataclass(frozen=True)
+class TransferResults:
+    """What one rank reports between two steps."""
+
+    #: prefill requests whose held blocks vLLM may free now (read, lapsed, or not holdable)
+    finished_sending: frozenset[str] = frozenset()
+    #: decode requests whose load ended, successfully or not
+    finished_recving: frozenset[str] = frozenset()
+    #: the subset of ``finished_recving`` whose load failed
+    failed_recving: frozenset[str] = frozenset()
+
+
+class WorkerSide:
+    """One TP rank's half of the connector (see the module docstring).
+
+    ``single_group``: vLLM maps failed block ids back to requests only for models
+    with one KV-cache group; for others the failure travels in ``failed_recving``
+    alone.
+    """
+
+    def __init__(self, rank: int, roles: EngineRoles, *, single_group: bool = True) -> None:
+        self.rank = rank
+        self.roles = roles
+        self.prefill: PrefillEngine | None = None
+        self.decode: DecodeEngine | None = None
+        self._single_group = single_group
+        self._held: set[str] = set()
+        self._free_now: set[str] = set()  # holds that failed: report them sent so vLLM frees them
+        self._failed_now: dict[str, tuple[int, ...]] = {}  # loads refused before starting
+        self._invalid: set[int] = set()
+        self._stats_base: dict[str, Stats] = {}
+
+    # ----- registration ----------------------------------------------------
+    def register(self, spec: EngineSpec, regions: CacheRegions, config: EngineConfig, *,
+                 incarnation: str, address: tuple[str, int]) -> None:
+        """Register this rank's cache with its engines. ``address`` is the side channel
+        the scheduler serves this engine's metadata on (prefill side)."""
+        if self.roles.producer:
+            self.prefill = PrefillEngine(spec, self.rank, regions, config, incarnation=incarnation)
+            self.prefill.advertise(*address)
+        if self.roles.consumer:
+            self.decode = DecodeEngine(spec, self.rank, regions, config, incarnation=incarnation)
+        log.info("kvbridge: rank %d registered %d layers (%s %s, %d blocks of %d tokens, %s)",
+                 self.rank, spec.num_layers, spec.layout.value, spec.head_order.value,
+                 regions.num_blocks, spec.block_size, regions.mem_type)
+
+    def handshake(self) -> tuple[str, bytes] | None:
+        """(compatibility hash, encoded metadata) of this rank for the scheduler to serve;
+        None on a decode-only rank (pull mode: decode engines fetch prefill metadata)."""
+        eng = self.prefill
+        if eng is None:
+            return None
+        return eng.compat_hash, encode_metadata(eng.metadata())
+
+    # ----- per step --------------------------------------------------------
+    def start(self, orders: StepOrders) -> None:
+        """Carry out one step's orders; never waits for a peer."""
+        if orders.empty:
+            return
+        for h in orders.holds:
+            if self.prefill is None:
+                self._free_now.add(h.request_id)
+                continue
+            try:
+                self.prefill.hold(h.request_id, h.block_ids, h.token)
+                self._held.add(h.request_id)
+            except ValueError as exc:
+                log.error("kvbridge: cannot hold request %s (%s); freeing its blocks", h.request_id, exc)
+                self._free_now.add(h.request_id)
+        dec = self.decode
+        for ld in orders.loads:
+            if dec is None:
+                self._failed_now[ld.request_id] = ld.local_block_ids
+                continue
+            try:
+                dec.load(ld.request_id, ld.source.transfer, ld.local_block_ids, ld.computed_tokens)
+            except ValueError as exc:
+                log.error("kvbridge: cannot load request %s: %s", ld.request_id, exc)
+                self._failed_now[ld.request_id] = ld.local_block_ids
+        if dec is not None:
+            for verb, call, sources in (("release", dec.release, orders.releases),
+                                        ("renew", dec.renew, orders.renewals)):
+                for rp in sources:
+                    try:
+                        call(rp.transfer)
+                    except ValueError as exc:
+                        log.warning("kvbridge: cannot %s request %s at %s: %s", verb,
+                                    rp.transfer.request_id, rp.transfer.engine_id, exc)
+
+    def results(self) -> TransferResults:
+        """Requests whose transfer ended on this rank since the last call; a failed
+        receive is also a finished one, and its local blocks go to
+        :meth:`take_invalid_blocks`."""
+        sending, recving, failed = set(self._free_now), set(self._failed_now), set(self._failed_now)
+        for blocks in self._failed_now.values():
+            self._invalid.update(blocks)
+        self._free_now.clear()
+        self._failed_now.clear()
+        if self.prefill is not None:
+            for r in self.prefill.poll():
+                if r.request_id in self._held:
+                    self._held.discard(r.request_id)
+                    sending.add(r.request_id)
+        if self.decode is not None:
+            ev = self.decode.poll()
+            recving.update(ev.done)
+            for f in ev.failed:
+                log.warning("kvbridge: request %s failed (%s): %s; its %d local blocks must be "
+                            "recomputed", f.request_id, f.kind.value, f.message, len(f.invalid_block_ids))
+                recving.add(f.request_id)
+                failed.add(f.request_id)
+                self._invalid.update(f.invalid_block_ids)
+        return TransferResults(frozenset(sending), frozenset(recving), frozenset(failed))
+
+    def take_invalid_blocks(self) -> set[int]:
+        """Local block ids of failed loads reported since the last call (empty for models
+        with several KV-cache groups, see the class docstring)."""
+        out, self._invalid = self._invalid, set()
+        return out if self._single_group else set()
+
+    def take_stats(self) -> dict[str, Any] | None:
+        """The interval's :mod:`kvbridge.vllm.stats` data since the last call, or None
+        when nothing happened."""
+        st = empty_stats()
+        for name, eng in (("prefill", self.prefill), ("decode", self.decode)):
+            if eng is None:
+                continue
+            now = copy.deepcopy(eng.stats)
+            before = self._stats_base.get(name, Stats())
+            self._stats_base[name] = now
+            for k, v in stats_delta(now, before).items():
+                st[k] += v
+            hs = now.handshakes - before.handshakes
+            if hs > 0:
+                avg = (now.handshake_ms - before.handshake_ms) / hs / 1e3
+                st["handshake_duration"].extend([avg] * hs)
+            for rec in eng.take_records():
+                st["transfer_duration"].append(rec.xfer_us / 1e6)
+                st["post_duration"].append(rec.post_us / 1e6)
+                st["bytes_transferred"].append(rec.bytes)
+                st["num_descriptors"].append(rec.descriptors)
+        return None if is_empty(st) else st
+
+    def close(self) -> None:
+        for eng in (self.decode, self.prefill):
+            if eng is not None:
+                eng.close()
+        self.decode = self.prefill = None

@@ -1,0 +1,185 @@
+"""The connector's two halves without vLLM: a prefill and a decode engine, each a
+SchedulerSide + WorkerSide pair, move one request over real NIXL agents (UCX, host
+memory) and a real side channel on 127.0.0.1, from real torch tensors in vLLM
+0.32's cache layout. vLLM's configuration objects are stand-ins with the
+attributes registration reads."""
+
+from __future__ import annotations
+
+import socket
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kvbridge.vllm import (
+    ConnectorConfig,
+    EngineRoles,
+    HoldOrder,
+    LoadOrder,
+    RemotePrefill,
+    SchedulerSide,
+    StepOrders,
+    WorkerSide,
+    encode_remote_prefill,
+    prefill_request_params,
+    register_caches,
+)
+from kvbridge.vllm.worker import TransferResults
+
+pytestmark = pytest.mark.timeout(120)
+
+LAYERS, NB, HEADS, BLOCK, HEAD = 2, 16, 2, 16, 16
+CFG = ConnectorConfig(ucx_threads=0, huge_pages=False, lease_seconds=30,
+                      handshake_timeout_seconds=2, transfer_timeout_seconds=10)
+PREFILL, DECODE = EngineRoles(producer=True, consumer=False), EngineRoles(producer=False, consumer=True)
+
+
+def _vllm_config() -> SimpleNamespace:
+    mc = SimpleNamespace(use_mla=False, get_total_num_kv_heads=lambda: HEADS,
+                         get_head_size=lambda: HEAD, get_vocab_size=lambda: 1024,
+                         hf_config=SimpleNamespace(architectures=["LlamaForCausalLM"],
+                                                   hidden_size=64, num_attention_heads=4))
+    return SimpleNamespace(model_config=mc, parallel_config=SimpleNamespace(tensor_parallel_size=1),
+                           cache_config=SimpleNamespace(block_size=BLOCK))
+
+
+def _caches(seed: int | None) -> dict[str, torch.Tensor]:
+    """vLLM 0.32's per-layer cache: [blocks, heads, tokens, 2 * head] (K and V packed)."""
+    g = torch.Generator().manual_seed(seed or 0)
+    shape = (NB, HEADS, BLOCK, 2 * HEAD)
+    return {f"model.layers.{i}.self_attn": (torch.rand(shape, generator=g) if seed is not None
+                                            else torch.zeros(shape)) for i in range(LAYERS)}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Engine:
+    """One engine's two connector halves, wired as KVBridgeConnector wires them."""
+
+    def __init__(self, engine_id: str, roles: EngineRoles, seed: int | None) -> None:
+        self.caches = _caches(seed)
+        port = _free_port()
+        self.sched = SchedulerSide(engine_id=engine_id, block_size=BLOCK, tp_size=1, config=CFG,
+                                   port=port, roles=roles)
+        self.worker = WorkerSide(0, roles)
+        reg = register_caches(_vllm_config(), SimpleNamespace(num_blocks=NB), self.caches, CFG,
+                              engine_id=engine_id, attention_backend="test")
+        self.worker.register(reg.spec, reg.regions, reg.engine_config, incarnation=f"{engine_id}-1",
+                             address=(CFG.side_channel_host, port))
+        hs = self.worker.handshake()
+        if hs is not None:
+            self.sched.serve({0: hs})
+
+    def step(self) -> TransferResults:
+        self.worker.start(self.sched.state.take_orders())
+        return self.worker.results()
+
+    def close(self) -> None:
+        self.worker.close()
+        self.sched.close()
+
+
+@pytest.fixture
+def pair():
+    p, d = Engine("P", PREFILL, seed=1), Engine("D", DECODE, seed=None)
+    yield p, d
+    d.close()
+    p.close()
+
+
+def _run(p: Engine, d: Engine, until, timeout: float = 20.0) -> tuple[set, set, set]:
+    sent, recved, failed = set(), set(), set()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and not until(sent, recved, failed):
+        r = d.step()
+        recved |= r.finished_recving
+        failed |= r.failed_recving
+        sent |= p.step().finished_sending
+        time.sleep(0.005)
+    return sent, recved, failed
+
+
+def test_a_request_moves_from_the_prefill_worker_to_the_decode_worker(pair) -> None:
+    p, d = pair
+    held, params = p.sched.state.finished("p-1", prefill_request_params(), completed=True,
+                                          block_ids=([3, 5, 7, 11],), num_computed_tokens=40,
+                                          num_prompt_tokens=40)
+    assert held and params["remote_port"] == p.sched.port
+    assert d.sched.state.matched_tokens("d-1", params, 40, 0) == (40, True)
+    d.sched.state.after_alloc("d-1", params, 40, [[2, 9, 4]], 0, 40)
+    sent, recved, failed = _run(p, d, lambda s, r, f: "p-1" in s and "d-1" in r)
+    assert (sent, recved, failed) == ({"p-1"}, {"d-1"}, set())
+    for name, pc in p.caches.items():
+        torch.testing.assert_close(d.caches[name][[2, 9, 4]], pc[[3, 5, 7]], rtol=0, atol=0)
+        assert not d.caches[name][[0, 1, 3, 5]].any()  # nothing else was written
+    assert d.worker.take_invalid_blocks() == set()
+    stats = d.worker.take_stats()
+    assert stats is not None and stats["requests_done"] == 1 and len(stats["transfer_duration"]) >= 1
+    assert sum(stats["bytes_transferred"]) == 3 * LAYERS * HEADS * BLOCK * 2 * HEAD * 4
+
+
+def test_a_load_from_a_dead_prefill_engine_fails_with_its_blocks_invalid(pair) -> None:
+    _, d = pair
+    dead = RemotePrefill.of(engine_id="gone", host="127.0.0.1", port=_free_port(),
+                            request_id="p-9", block_ids=((1, 2, 3),), token="t" * 32,
+                            incarnation="x", num_tokens=40, block_size=BLOCK)
+    params = encode_remote_prefill(dead)
+    assert d.sched.state.matched_tokens("d-9", params, 40, 0) == (40, True)
+    d.sched.state.after_alloc("d-9", params, 40, [[6, 8, 10]], 0, 40)
+    failed: set[str] = set()
+    deadline = time.monotonic() + 20
+    while "d-9" not in failed and time.monotonic() < deadline:
+        r = d.step()
+        failed |= r.failed_recving
+        assert r.failed_recving <= r.finished_recving
+        time.sleep(0.01)
+    assert failed == {"d-9"}
+    assert d.worker.take_invalid_blocks() == {6, 8, 10}
+    assert d.worker.take_invalid_blocks() == set()  # reported once
+    assert d.worker.take_stats()["failed_handshakes"] == 1
+
+
+def test_a_load_the_engine_refuses_is_reported_failed_at_once(pair) -> None:
+    p, d = pair
+    _, params = p.sched.state.finished("p-2", prefill_request_params(), completed=True,
+                                       block_ids=([1, 2],), num_computed_tokens=20,
+                                       num_prompt_tokens=20)
+    p.step()
+    d.sched.state.after_alloc("d-2", params, 20, [[NB + 3, 1]], 0, 20)  # outside the cache
+    r = d.step()
+    assert r.finished_recving == r.failed_recving == {"d-2"}
+    assert d.worker.take_invalid_blocks() == {NB + 3, 1}
+
+
+def test_orders_for_a_half_this_rank_does_not_run_are_answered_not_dropped() -> None:
+    w = WorkerSide(0, DECODE)  # no engines registered: neither holds nor loads can run
+    src = RemotePrefill.of(engine_id="P", host="h", port=1, request_id="p", block_ids=((1,),),
+                           token="t")
+    w.start(StepOrders(loads=(LoadOrder("d", src, (4,), 0),), holds=(HoldOrder("h", (1,), "t"),)))
+    assert w.results() == TransferResults(frozenset({"h"}), frozenset({"d"}), frozenset({"d"}))
+    assert w.take_invalid_blocks() == {4} and w.take_stats() is None
+    assert w.handshake() is None
+    multi = WorkerSide(0, DECODE, single_group=False)
+    multi.start(StepOrders(loads=(LoadOrder("d", src, (4,), 0),)))
+    assert multi.results().failed_recving == {"d"} and multi.take_invalid_blocks() == set()
+
+
+def test_the_scheduler_serves_ranks_that_agree_and_refuses_others(pair) -> None:
+    from msgspec.structs import replace
+
+    from kvbridge.handshake import decode_metadata, encode_metadata
+
+    p, _ = pair
+    assert p.sched.state.incarnation == "P-1" and p.sched.server is not None
+    compat, md = p.worker.handshake()
+    other = encode_metadata(replace(decode_metadata(md), incarnation="P-2"))
+    with pytest.raises(ValueError, match="different incarnations"):
+        p.sched.serve({0: (compat, md), 1: (compat, other)})
+    with pytest.raises(ValueError, match="disagree on the compatibility hash"):
+        p.sched.serve({0: (compat, md), 1: ("another-model", md)})
