@@ -306,7 +306,7 @@ class NixlAgent:
             if peer is not None and peer not in self._remotes:
                 raise NixlError(f"agent {self.name!r}: no remote agent {peer!r}; add its metadata first")
             try:
-                h = self._agent.prep_xfer_dlist(target, list(descs), mem_type)
+                h = self._agent.prep_xfer_dlist(target, descs, mem_type)
             except Exception as exc:
                 raise NixlError(
                     f"agent {self.name!r}: preparing {len(descs)} descriptors for {target!r} failed: {exc}"
