@@ -11,11 +11,13 @@ import time
 
 import numpy as np
 
-from kvbridge.topology import TopologyError, plan_transfer
-
-# not exported by kvbridge.topology's __init__ (yet): the shared shape flags and the plan's text form
-from kvbridge.topology.cli import add_shape_arguments, engines_from_args
-from kvbridge.topology.render import plan_to_text
+from kvbridge.topology import (
+    TopologyError,
+    add_shape_arguments,
+    engines_from_args,
+    plan_to_text,
+    plan_transfer,
+)
 
 from ..agent import AgentConfig
 from ..config import EngineConfig

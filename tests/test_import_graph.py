@@ -119,14 +119,7 @@ def test_the_checker_finds_a_cycle_hidden_in_a_function(tmp_path):
 PACKAGES = sorted(p.name for p in ROOT.glob("packages/*") if (p / "src" / "kvbridge").is_dir())
 #: cycles known on this branch and being broken by other work (strict: the marker must go
 #: the moment the cycle does)
-KNOWN = {"nixl": "kvbridge.nixl.bench <-> kvbridge.nixl.cli: the nixl part of issue 14 moves "
-                 "demo and bench into kvbridge.nixl.testing"}
-
-
-@pytest.mark.parametrize("package", [
-    pytest.param(p, marks=pytest.mark.xfail(strict=True, reason=KNOWN[p])) if p in KNOWN else p
-    for p in PACKAGES
-])
+@pytest.mark.parametrize("package", PACKAGES)
 def test_no_import_cycles_through_a_package(package):
     modules = _modules()
     assert f"kvbridge.{package}" in modules
@@ -139,14 +132,6 @@ def test_no_import_cycles_through_a_package(package):
 #: the stack: a package may import only packages to its left
 ORDER = ["topology", "memory", "handshake", "nixl", "vllm"]
 #: boundary breaches known on this branch and being fixed by other work (strict)
-KNOWN_BREACHES = {
-    "nixl": "nixl/cli.py imports kvbridge.topology.cli and kvbridge.topology.render: the nixl "
-            "part of issue 14 moves demo and bench into kvbridge.nixl.testing",
-    "vllm": "kvbridge-vllm imports handshake, memory and topology but declares only kvbridge-nixl: "
-            "the vllm part of issue 14",
-}
-
-
 def _declared(package: str) -> set[str]:
     text = (ROOT / "packages" / package / "pyproject.toml").read_text("utf-8")
     project = text.split("[project]", 1)[1].split("\n[", 1)[0]  # the [project] table only
@@ -210,11 +195,7 @@ def test_the_boundary_checker_names_each_breach(tmp_path, monkeypatch):
     assert boundary_breaches("topology", mods) == []
 
 
-@pytest.mark.parametrize("package", [
-    pytest.param(p, marks=pytest.mark.xfail(strict=True, reason=KNOWN_BREACHES[p]))
-    if p in KNOWN_BREACHES else p
-    for p in ORDER
-])
+@pytest.mark.parametrize("package", ORDER)
 def test_package_imports_only_declared_siblings_below_it(package):
     breaches = boundary_breaches(package, _modules())
     assert not breaches, "\n".join(breaches)
