@@ -29,8 +29,7 @@ def _plan_parser() -> argparse.ArgumentParser:
         description="Plan a prefill/decode KV-cache transfer: which ranks read what, and what "
         "each prefill rank waits for. Defaults describe a Llama-70B-like model.",
     )
-    add_shape_arguments(p, defaults={"kv_heads": 8})
-    p.add_argument("--mamba", action="store_true", help="hybrid attention + Mamba-2 model")
+    add_shape_arguments(p, defaults={"kv_heads": 8}, mamba=True)
     p.add_argument("--prefill-block-bytes", type=int, default=None, metavar="X",
                    help="measured bytes of one block of one layer region on a prefill rank")
     p.add_argument("--decode-block-bytes", type=int, default=None, metavar="Y",

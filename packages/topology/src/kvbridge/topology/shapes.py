@@ -15,8 +15,10 @@ from .spec import EngineSpec, HeadOrder, Layout, MambaSpec
 _DTYPES = ("bf16", "fp16", "fp32", "fp8")
 
 
-def add_shape_arguments(parser: argparse.ArgumentParser, *, defaults: dict | None = None) -> None:
-    """The deployment-shape flags shared by ``plan``, ``demo`` and ``bench``."""
+def add_shape_arguments(parser: argparse.ArgumentParser, *, defaults: dict | None = None,
+                        mamba: bool = False) -> None:
+    """The deployment-shape flags shared by ``plan``, ``demo`` and ``bench``; with
+    ``mamba`` also ``--mamba`` (a hybrid attention + Mamba-2 model)."""
     d = {
         "prefill_tp": None, "decode_tp": None, "kv_heads": None, "head_dim": 128, "layers": 80,
         "dtype": "bf16", "prefill_block_size": 16, "decode_block_size": 16,
@@ -41,10 +43,13 @@ def add_shape_arguments(parser: argparse.ArgumentParser, *, defaults: dict | Non
                         help=f"decode block size in tokens (default {d['decode_block_size']})")
     parser.add_argument("--layout", choices=[x.value for x in Layout], default=None,
                         help="cache layout of both engines: kv-first, blocks-first, or packed (K and V "
-                        "of each head together, vLLM >= 0.32) (default kv-first; blocks-first with --mamba)")
+                        "of each head together, vLLM >= 0.32) (default kv-first"
+                        + ("; blocks-first with --mamba)" if mamba else ")"))
     parser.add_argument("--head-order", choices=[x.value for x in HeadOrder], default="HND",
                         help="order inside a K/V element on both engines (default HND)")
     parser.add_argument("--mla", action="store_true", help="MLA latent cache (one replicated latent)")
+    if mamba:
+        parser.add_argument("--mamba", action="store_true", help="hybrid attention + Mamba-2 model")
 
 
 def engines_from_args(args: argparse.Namespace) -> tuple[EngineSpec, EngineSpec]:

@@ -81,12 +81,6 @@ def _demo_parser() -> argparse.ArgumentParser:
     p.add_argument("--requests", type=int, default=8, metavar="R", help="requests in the batch (default 8)")
     _engine_args(p)
     p.add_argument("-v", "--verbose", action="store_true", help="log engine events")
-    # the shared shape flags describe --layout's default for --mamba, a flag the demo does not
-    # have (the engine does not move Mamba state yet)
-    for action in p._actions:
-        if action.dest == "layout":
-            action.help = ("cache layout of both engines: kv-first, blocks-first, or packed (K and V "
-                           "of each head together, vLLM >= 0.32) (default kv-first)")
     return p
 
 
