@@ -178,8 +178,11 @@ def test_the_scheduler_serves_ranks_that_agree_and_refuses_others(pair) -> None:
     p, _ = pair
     assert p.sched.state.incarnation == "P-1" and p.sched.server is not None
     compat, md = p.worker.handshake()
-    other = encode_metadata(replace(decode_metadata(md), incarnation="P-2"))
-    with pytest.raises(ValueError, match="different incarnations"):
+    other = encode_metadata(replace(decode_metadata(md), rank=1, incarnation="P-2"))
+    with pytest.raises(ValueError, match="rank 1"):  # the server checks every rank it is handed
         p.sched.serve({0: (compat, md), 1: (compat, other)})
+    # nothing was lost: the engine is still served as it was
+    assert p.sched.server.ranks == [0] and p.sched.server.incarnation == "P-1"
+    assert p.sched.state.incarnation == "P-1"
     with pytest.raises(ValueError, match="disagree on the compatibility hash"):
         p.sched.serve({0: (compat, md), 1: ("another-model", md)})

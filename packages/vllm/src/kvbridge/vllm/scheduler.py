@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 
-from kvbridge.handshake import MetadataServer, check_metadata, decode_metadata
+from kvbridge.handshake import MetadataServer
 from kvbridge.vllm.config import ConnectorConfig, EngineRoles
 from kvbridge.vllm.steps import SchedulerState
 
@@ -57,19 +57,17 @@ class SchedulerSide:
         if len(hashes) != 1:
             raise ValueError(f"the ranks of engine {self.engine_id!r} disagree on the "
                              f"compatibility hash ({sorted(hashes)}); they must run the same model")
-        mds = {rank: check_metadata(decode_metadata(md)) for rank, (_, md) in payloads.items()}
-        incarnations = {md.incarnation for md in mds.values()}
-        if len(incarnations) != 1:
-            raise ValueError(f"the ranks of engine {self.engine_id!r} report different "
-                             f"incarnations {sorted(incarnations)}")
+        encoded = {rank: md for rank, (_, md) in payloads.items()}
+        # the server decodes and checks each rank's bytes once, refuses ranks of another
+        # incarnation, and serves the bytes as they are
         if self.server is None:
-            self.server = MetadataServer(mds, compat_hash=hashes.pop(), host=self.host,
+            self.server = MetadataServer(encoded, compat_hash=hashes.pop(), host=self.host,
                                          port=self.port)
         else:
-            for rank, md in mds.items():
+            for rank, md in encoded.items():
                 self.server.set_metadata(rank, md)
-        self.state.set_incarnation(incarnations.pop())
-        log.info("kvbridge: serving %d rank(s) of engine %s on %s:%d", len(mds), self.engine_id,
+        self.state.set_incarnation(self.server.incarnation)
+        log.info("kvbridge: serving %d rank(s) of engine %s on %s:%d", len(encoded), self.engine_id,
                  self.server.host, self.server.port)
 
     def close(self) -> None:
