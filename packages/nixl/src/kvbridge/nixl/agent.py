@@ -40,6 +40,10 @@ class NixlError(RuntimeError):
     """A NIXL call failed; the message names the operation and the peer."""
 
 
+class _PrepRefused(NixlError):
+    """NIXL refused to prepare a descriptor list (callers see a NixlError)."""
+
+
 @dataclass(frozen=True)
 class AgentConfig:
     """How to build one rank's NIXL agent.
@@ -273,33 +277,28 @@ class NixlAgent:
         arr = descs_array(descs)
         strided = arr.shape[1] == 5
         n = int(arr[:, 4].sum()) if strided else arr.shape[0]
-        if strided and (not allow_strided or self._strided_ok is False):
-            arr, strided = expand_strided(arr), False
-        target = self.LOCAL if peer is None else peer
-        with self._lock:
-            self._check()
-            if peer is not None and peer not in self._remotes:
-                raise NixlError(f"agent {self.name!r}: no remote agent {peer!r}; add its metadata first")
+        if strided and allow_strided and self._strided_ok is not False:
             try:
-                h = self._agent.prep_xfer_dlist(target, arr, mem_type)
-                if strided:
-                    self._strided_ok = True
-            except Exception as exc:
-                if not strided:
-                    raise NixlError(
-                        f"agent {self.name!r}: preparing {n} descriptors for {target!r} failed: {exc}"
-                    ) from exc
-                self._strided_ok = False
-                return self.prepare(peer, expand_strided(arr), mem_type)
-            lst = PreparedList(self, h, peer, n, strided)
-            self._lists.add(lst)
-            return lst
+                lst = self._prep(peer, arr, mem_type, n, strided=True)
+            except _PrepRefused:
+                self._strided_ok = False  # this NIXL takes no strided rows: expand from now on
+            else:
+                self._strided_ok = True
+                return lst
+        if strided:
+            arr = expand_strided(arr)
+        return self._prep(peer, arr, mem_type, n, strided=False)
 
     def prepare_tuples(self, peer: str | None, descs: Sequence[tuple[int, int, int]],
                        mem_type: MemType = "DRAM") -> PreparedList:
         """Prepare a list from per-descriptor ``(addr, len, device)`` tuples, handed to NIXL as
         they are (NIXL's per-block Python path; ``kvbridge bench`` measures it as the naive
         baseline of :meth:`prepare`)."""
+        return self._prep(peer, descs, mem_type, len(descs), strided=False)
+
+    def _prep(self, peer: str | None, descs: object, mem_type: MemType, n: int, *,
+              strided: bool) -> PreparedList:
+        """The one path into ``prep_xfer_dlist``: checks the peer, tracks the list."""
         target = self.LOCAL if peer is None else peer
         with self._lock:
             self._check()
@@ -308,10 +307,10 @@ class NixlAgent:
             try:
                 h = self._agent.prep_xfer_dlist(target, descs, mem_type)
             except Exception as exc:
-                raise NixlError(
-                    f"agent {self.name!r}: preparing {len(descs)} descriptors for {target!r} failed: {exc}"
+                raise _PrepRefused(
+                    f"agent {self.name!r}: preparing {n} descriptors for {target!r} failed: {exc}"
                 ) from exc
-            lst = PreparedList(self, h, peer, len(descs), False)
+            lst = PreparedList(self, h, peer, n, strided)
             self._lists.add(lst)
             return lst
 
