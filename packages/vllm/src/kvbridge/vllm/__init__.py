@@ -5,7 +5,9 @@ and ``kv_connector="KVBridgeConnector"``. The names that import vLLM (the
 connector facade, its wire values and metrics) are imported on first access,
 so the vLLM-independent parts exported here (configuration,
 ``kv_transfer_params``, scheduler bookkeeping, cache description, stats data)
-import without vLLM, torch or NIXL. The two halves of the connector,
+import without vLLM, torch or NIXL (building a ``RemotePrefill`` from
+``kv_transfer_params`` imports :mod:`kvbridge.nixl` on first use, for the
+``TransferParams`` it holds). The two halves of the connector,
 :class:`kvbridge.vllm.scheduler.SchedulerSide` and
 :class:`kvbridge.vllm.worker.WorkerSide`, import no vLLM either but use the
 transfer engines (torch, NIXL); they are served lazily too.
