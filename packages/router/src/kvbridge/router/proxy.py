@@ -60,6 +60,17 @@ class UpstreamReply(Exception):
         self.content_type = content_type
 
 
+def describe(e: BaseException) -> str:
+    """``Type: message`` of an exception and of the root cause it wraps (httpx hides errno)."""
+    text = f"{type(e).__name__}: {e}".rstrip(": ")
+    root = e
+    while root.__cause__ is not None or (root.__context__ is not None and not root.__suppress_context__):
+        root = root.__cause__ or root.__context__  # type: ignore[assignment]
+    if root is not e:
+        text += f" ({type(root).__name__}: {root})".replace(": )", ")")
+    return text
+
+
 def _client_error(status: int) -> bool:
     return 400 <= status < 500 and status not in (408, 429)
 
@@ -144,9 +155,9 @@ class Proxy:
                 return None
             except httpx.HTTPError as e:
                 self.metrics.error("prefill_unreachable")
-                self.prefill.mark_failed(inst, f"{type(e).__name__}: {e}")
-                log.warning("request %s: prefill on %s failed (%s: %s); trying another",
-                            request_id, inst.url, type(e).__name__, e)
+                self.prefill.mark_failed(inst, describe(e))
+                log.warning("request %s: prefill on %s failed (%s); trying another",
+                            request_id, inst.url, describe(e))
                 return None
         if _client_error(resp.status_code):
             raise UpstreamReply(resp.status_code, resp.content,
@@ -205,9 +216,9 @@ class Proxy:
                         resp = await self.client.send(request, stream=True)
                     except (httpx.ConnectError, httpx.ConnectTimeout) as e:
                         metrics.error("decode_unreachable")
-                        self.decode.mark_failed(inst, f"{type(e).__name__}: {e}")
+                        self.decode.mark_failed(inst, describe(e))
                         log.warning("request %s: decode instance %s unreachable (%s); trying another",
-                                    request_id, inst.url, e)
+                                    request_id, inst.url, describe(e))
                         return False
                     try:
                         if resp.status_code >= 300:
@@ -252,9 +263,9 @@ class Proxy:
                 return True
             except httpx.HTTPError as e:
                 metrics.error("decode_failed")
-                inst.last_error = f"{type(e).__name__}: {e}"
+                inst.last_error = describe(e)
                 await self._fail(send, started, request_id, RouterError(
-                    502, f"decode instance {inst.url} failed mid-request ({type(e).__name__}: {e})",
+                    502, f"decode instance {inst.url} failed mid-request ({describe(e)})",
                     "upstream_error"))
                 return True
         metrics.decode_seconds.labels(instance=inst.url).observe(time.monotonic() - t0)
