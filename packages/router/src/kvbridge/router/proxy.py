@@ -66,8 +66,9 @@ def describe(e: BaseException) -> str:
     root = e
     while root.__cause__ is not None or (root.__context__ is not None and not root.__suppress_context__):
         root = root.__cause__ or root.__context__  # type: ignore[assignment]
-    if root is not e:
-        text += f" ({type(root).__name__}: {root})".replace(": )", ")")
+    root_text = f"{type(root).__name__}: {root}".rstrip(": ")
+    if root is not e and root_text != text:
+        text += f" ({root_text})"
     return text
 
 
