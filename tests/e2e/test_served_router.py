@@ -292,6 +292,7 @@ class TestTwoPrefillOneDecode:
             for _ in range(2):  # mid-run: two answered, the rest in flight or queued
                 assert done.acquire(timeout=600)
             victim.kill(sig=9)
+            t_kill = time.monotonic()
             results = [f.result(timeout=900) for f in futures]
         for k, text in results:
             assert text == ref[k], f"prompt {k} after the kill differs from the local run"
@@ -306,9 +307,11 @@ class TestTwoPrefillOneDecode:
         before = topo.decode[0].metrics()
         assert completion(client, topo.prompts[0], stream=False)[0] == ref[0]
         assert kv_moved(before, topo.decode[0].metrics())[0] >= 1
-        assert router_errors(topo.router, "local_prefill") == 0 or True  # allowed, never lost
-        FIGURES.setdefault("kill", {})["requests_completed"] = len(results)
-        FIGURES["kill"]["local_prefill_fallbacks"] = router_errors(topo.router, "local_prefill")
+        # what the kill cost (retries and local prefills are allowed: nothing was lost)
+        FIGURES["kill prefill0 mid-run"] = {
+            "requests_completed": len(results), "seconds": round(time.monotonic() - t_kill, 1),
+            **{k: router_errors(topo.router, k) for k in (
+                "prefill_unreachable", "prefill_failed", "prefill_timeout", "local_prefill")}}
         _write_figures(topo.workdir.parent)
 
 
