@@ -168,6 +168,21 @@ class Served:
             pass
 
 
+def stop_all(servers: Sequence[Served], grace_s: float = 15.0) -> None:
+    """SIGTERM every server at once, then wait (SIGKILL after ``grace_s``)."""
+    for s in servers:
+        if s.alive() and s.proc is not None:
+            try:
+                os.killpg(s.proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+    end = time.monotonic() + grace_s
+    while any(s.alive() for s in servers) and time.monotonic() < end:
+        time.sleep(0.2)
+    for s in servers:
+        s.kill(grace_s=0.0)
+
+
 def wait_ready(servers: Sequence[Served], deadline_s: float) -> None:
     """Wait until every server answers /health; raise with log tails when one dies or the
     deadline passes."""

@@ -41,6 +41,7 @@ from served import (
     parse_metrics,
     router,
     served_model,
+    stop_all,
     text_prompts,
     wait_ready,
 )
@@ -144,45 +145,56 @@ class Topology:
         self.local_chat: dict[str, list[str]] = {}
         self.start_s = 0.0
 
-    def all(self) -> list[Served]:
-        return self.prefill + self.decode + ([self.router] if self.router else [])
-
 
 @pytest.fixture(scope="session")
 def served_tiny() -> Path:
     return served_model(kv_heads=2)
 
 
-def _topology(workdir: Path, model: Path, prefill_tp: int, n_prefill: int, n_decode: int) -> Iterator[Topology]:
+@pytest.fixture(scope="module")
+def decode0(e2e_workdir: Path, served_tiny: Path) -> Iterator[Served]:
+    """One decode instance both topologies use (started with the first, never killed)."""
+    d = engine("decode0", served_tiny, "decode", e2e_workdir / "served")
+    try:
+        yield d.start()
+    finally:
+        stop_all([d])
+
+
+def _topology(workdir: Path, model: Path, prefill_tp: int, n_prefill: int, shared: Served,
+              n_new_decode: int) -> Iterator[Topology]:
     t0 = time.monotonic()
     # 3 or 4 workers on two cores: none pinned, one OpenMP thread each (see EngineConfig.cpus)
-    prefill = [engine(f"prefill{i}", model, "prefill", workdir, tp=prefill_tp) for i in range(n_prefill)]
-    decode = [engine(f"decode{i}", model, "decode", workdir) for i in range(n_decode)]
-    topo = Topology(prefill, decode, workdir)
+    prefill = [engine(f"prefill{i}-tp{prefill_tp}", model, "prefill", workdir, tp=prefill_tp)
+               for i in range(n_prefill)]
+    new = [engine(f"decode{i + 1}", model, "decode", workdir) for i in range(n_new_decode)]
+    topo = Topology(prefill, [shared, *new], workdir)
     try:
-        for s in prefill + decode:
+        for s in prefill + new:
             s.start()
-        wait_ready(prefill + decode, START_DEADLINE_S)
-        topo.router = router(prefill, decode, workdir).start()
+        wait_ready(prefill + topo.decode, START_DEADLINE_S)
+        topo.router = router(prefill, topo.decode, workdir, name=f"router-tp{prefill_tp}").start()
         wait_ready([topo.router], 120)
         topo.start_s = time.monotonic() - t0
-        for d in decode:
-            topo.local[d.name] = local_texts(d, topo.prompts + [topo.donor])
-            topo.local_chat[d.name] = local_chat(d)
+        for d in topo.decode:  # each decode instance's own run, once per instance
+            if "local" not in d.extra:
+                d.extra["local"] = local_texts(d, topo.prompts + [topo.donor])
+                d.extra["local_chat"] = local_chat(d)
+            topo.local[d.name] = d.extra["local"]
+            topo.local_chat[d.name] = d.extra["local_chat"]
         yield topo
     finally:
-        for s in topo.all():
-            s.kill()
+        stop_all(prefill + new + ([topo.router] if topo.router else []))
 
 
 @pytest.fixture(scope="class")
-def two_prefill_one_decode(e2e_workdir: Path, served_tiny: Path) -> Iterator[Topology]:
-    yield from _topology(e2e_workdir / "served-2p1d", served_tiny, 1, 2, 1)
+def two_prefill_one_decode(e2e_workdir: Path, served_tiny: Path, decode0: Served) -> Iterator[Topology]:
+    yield from _topology(e2e_workdir / "served", served_tiny, 1, 2, decode0, 0)
 
 
 @pytest.fixture(scope="class")
-def tp2_prefill_two_decode(e2e_workdir: Path, served_tiny: Path) -> Iterator[Topology]:
-    yield from _topology(e2e_workdir / "served-1p2d-tp2", served_tiny, 2, 1, 2)
+def tp2_prefill_two_decode(e2e_workdir: Path, served_tiny: Path, decode0: Served) -> Iterator[Topology]:
+    yield from _topology(e2e_workdir / "served", served_tiny, 2, 1, decode0, 1)
 
 
 def _write_figures(workdir: Path) -> None:
@@ -232,9 +244,22 @@ def _routed_round(topo: Topology, label: str) -> None:
     assert router_errors(topo.router, "local_prefill") == 0
     assert router_errors(topo.router, "prefill_failed") == 0
     assert_no_failures(*topo.prefill, *topo.decode)
-    FIGURES[label] = {"engines_ready_s": round(topo.start_s, 1), "requests": n_routed,
-                      "kv_transfers": transfers, "kv_bytes": bytes_,
-                      **{k: round(statistics.median(v), 4) for k, v in rows.items()}}
+    rm = parse_metrics(http_text(topo.router.url + "/metrics"))
+    dm = [d.metrics() for d in topo.decode]
+    xfer_s = sum(m.get("vllm:kvbridge_xfer_time_seconds_sum", 0) for m in dm)
+    xfer_n = sum(m.get(XFER_COUNT, 0) for m in dm)
+    FIGURES[label] = {
+        "engines_ready_s": round(topo.start_s, 1), "requests": n_routed,
+        "kv_transfers": transfers, "kv_bytes": bytes_,
+        **{k: round(statistics.median(v), 4) for k, v in rows.items()},
+        # where a routed request's time goes, as the router and the decode engine see it
+        "router_prefill_mean_s": round(rm["kvbridge_router_prefill_seconds_sum"]
+                                       / rm["kvbridge_router_prefill_seconds_count"], 4),
+        "router_decode_first_byte_mean_s": round(
+            rm["kvbridge_router_decode_first_byte_seconds_sum"]
+            / rm["kvbridge_router_decode_first_byte_seconds_count"], 4),
+        "kv_transfer_mean_s": round(xfer_s / xfer_n, 4) if xfer_n else 0.0,
+    }
     _write_figures(topo.workdir.parent)
 
 
