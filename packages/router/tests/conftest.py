@@ -59,6 +59,10 @@ def make_cluster() -> Iterator[Any]:
         servers = [ServerThread(f.app).start() for f in prefill + decode]
         urls = {f.name: s.url for f, s in zip(prefill + decode, servers, strict=True)}
         config.setdefault("health_interval_s", 0.1)
+        # generous bounds: on two busy cores a live fake may answer a probe slowly, and a
+        # live instance taken out would send requests elsewhere (dead ones refuse at once)
+        config.setdefault("health_timeout_s", 30.0)
+        config.setdefault("connect_timeout_s", 30.0)
         cfg = RouterConfig(
             prefill=tuple(urls[f.name] for f in prefill) + extra_prefill_urls,
             decode=tuple(extra_decode_urls) + tuple(urls[f.name] for f in decode), **config)
