@@ -196,7 +196,7 @@ class ServerThread:
         self.sock.bind(("127.0.0.1", port))
         self.port = self.sock.getsockname()[1]
         self.server = uvicorn.Server(uvicorn.Config(
-            app, log_level="error", access_log=False, lifespan="on", timeout_graceful_shutdown=2,
+            app, log_level="error", access_log=False, lifespan="on", timeout_graceful_shutdown=1,
             backlog=2048, timeout_keep_alive=30))
         self.future: Any = None
 
@@ -213,9 +213,23 @@ class ServerThread:
         return self
 
     def stop(self) -> None:
+        """Stop like a dead process: no listener and no open connection left.
+
+        uvicorn's shutdown leaves connections that did not close within its grace
+        period open; on the shared loop they would go on answering, so close them.
+        """
         self.server.should_exit = True
         if self.future is not None:
             self.future.result(30)
+            self.future = None
+
+            async def close_connections() -> None:
+                for conn in list(self.server.server_state.connections):
+                    transport = getattr(conn, "transport", None)
+                    if transport is not None:
+                        transport.abort()
+
+            asyncio.run_coroutine_threadsafe(close_connections(), server_loop()).result(10)
         self.sock.close()
 
     @staticmethod
