@@ -88,6 +88,10 @@ def test_chat_non_streaming_and_streaming(make_cluster):
     texts, done = sse_texts(raw)
     assert "".join(texts) == "hi there|p0" and done
     assert len(texts) == 4  # the decode instance's chunks, not merged into one
+    # streams read to the end are neither disconnects nor cut short
+    wait_until(lambda: c.metric("kvbridge_router_decode_seconds_count",
+                                instance=c.upstream_urls["d0"]) == 2, "both decodes observed")
+    assert c.error_count("client_disconnect") == 0
 
 
 def test_stream_is_passed_through_as_it_arrives(make_cluster):

@@ -84,6 +84,14 @@ class _Endpoint:
             r.metrics.error("client_disconnect")
             return
         disconnected = False
+        answered = False  # the last body message went out
+
+        async def tracked_send(msg: MutableMapping[str, Any]) -> None:
+            nonlocal answered
+            await send(msg)
+            if msg["type"] == "http.response.body" and not msg.get("more_body", False):
+                answered = True
+
         async with create_task_group() as tg:
 
             async def watch() -> None:
@@ -91,13 +99,15 @@ class _Endpoint:
                 while True:
                     msg = await receive()
                     if msg["type"] == "http.disconnect":
-                        disconnected = True
-                        tg.cancel_scope.cancel()
+                        # once the answer is out, uvicorn reports a disconnect too: not a cancel
+                        if not answered:
+                            disconnected = True
+                            tg.cancel_scope.cancel()
                         return
 
             tg.start_soon(watch)
             try:
-                await r.proxy.handle(req, rid, _header(scope, b"authorization"), send)
+                await r.proxy.handle(req, rid, _header(scope, b"authorization"), tracked_send)
             finally:
                 tg.cancel_scope.cancel()
         if disconnected:

@@ -78,6 +78,8 @@ def router_command(argv: list[str], prog: str = "kvbridge router") -> int:
         return 0
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for noisy in ("httpx", "httpcore"):  # one INFO line per upstream call and health probe
+        logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
     from .app import serve
 
     print(f"kvbridge router on http://{config.host}:{config.port}: prefill "
