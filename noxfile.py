@@ -12,11 +12,11 @@ import pathlib
 import nox
 
 nox.options.default_venv_backend = "uv"
-nox.options.sessions = ["lint", "tests", "integration", "isolation", "e2e"]
+nox.options.sessions = ["lint", "tests", "integration", "isolation", "isolation_router", "e2e"]
 nox.options.error_on_missing_interpreters = True
 
 ROOT = pathlib.Path(__file__).parent
-PACKAGES = ["topology", "memory", "handshake", "nixl", "vllm"]
+PACKAGES = ["topology", "memory", "handshake", "nixl", "vllm", "router"]
 THIRD_PARTY = ["torch", "numpy", "zmq", "msgspec", "nixl", "nixl_cu12", "nixl_cu13"]
 
 
@@ -64,6 +64,24 @@ def isolation(session: nox.Session) -> None:
     session.run("kvbridge", "plan", "--prefill-tp", "8", "--decode-tp", "2", "--kv-heads", "8")
     session.run("kvbridge", "plan", "--prefill-tp", "4", "--decode-tp", "1", "--kv-heads", "8",
                 "--mamba", "--json", silent=True)
+
+
+@nox.session
+def isolation_router(session: nox.Session) -> None:
+    """kvbridge-router alone in a fresh environment: no other kvbridge package, no torch, no vLLM."""
+    session.install(str(ROOT / "packages" / "router"))
+    code = (
+        "import importlib.metadata as md, importlib.util as u, sys\n"
+        "dists = sorted(d.metadata['Name'].lower() for d in md.distributions())\n"
+        "kvb = [d for d in dists if d.startswith('kvbridge') and d != 'kvbridge-router']\n"
+        "heavy = [m for m in ('torch', 'vllm', 'nixl', 'numpy', 'zmq', 'msgspec') if u.find_spec(m)]\n"
+        "print('installed:', dists)\n"
+        "sys.exit(f'came along: {kvb} {heavy}' if kvb or heavy else 0)\n"
+    )
+    session.run("python", "-c", code)
+    session.run("python", "-m", "kvbridge.router", "--prefill", "http://127.0.0.1:8100",
+                "--decode", "http://127.0.0.1:8200", "--check", silent=True)
+    session.run("kvbridge-router", "--help", silent=True)
 
 
 @nox.session(python=False)

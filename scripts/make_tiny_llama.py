@@ -1,11 +1,18 @@
 #!/usr/bin/env python3
 """Build a tiny random Llama checkpoint locally (no download) for vLLM e2e tests.
 
-    python scripts/make_tiny_llama.py OUT_DIR [--layers 2] [--kv-heads 2] [--seed 0]
+    python scripts/make_tiny_llama.py OUT_DIR [--layers 2] [--kv-heads 2] [--seed 0] [--word-tokenizer]
 
 The weights are random but fixed by the seed, so two runs give identical files
 and engines built from the same directory compute identical tokens. Run it with
 the e2e environment's Python (it needs torch and transformers).
+
+With ``--word-tokenizer`` the folder also gets a word-level tokenizer built
+locally with the ``tokenizers`` package (no download): token ``i`` is the word
+``w<i>`` (0-3 are <pad>, <s>, </s>, <unk>), words are split on whitespace, and a
+minimal chat template joins the message contents. Text prompts such as
+``"w17 w503 w9"`` then map one word to one token, so OpenAI servers can take
+text prompts and chat messages.
 """
 
 from __future__ import annotations
@@ -80,6 +87,33 @@ def build(
     return out_dir
 
 
+SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<unk>")
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+
+
+def write_word_tokenizer(out_dir: Path, vocab: int = 1024) -> Path:
+    """Write tokenizer.json and tokenizer_config.json for a ``vocab``-word tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    words = {t: i for i, t in enumerate(SPECIAL_TOKENS)}
+    words.update({f"w{i}": i for i in range(len(SPECIAL_TOKENS), vocab)})
+    tok = Tokenizer(models.WordLevel(vocab=words, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
+    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out_dir / "tokenizer.json"))
+    (out_dir / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "pad_token": "<pad>", "bos_token": "<s>",
+        "eos_token": "</s>", "unk_token": "<unk>", "add_bos_token": False,
+        "model_max_length": 2048, "clean_up_tokenization_spaces": False,
+        "chat_template": CHAT_TEMPLATE,
+    }, indent=1))
+    (out_dir / "special_tokens_map.json").write_text(json.dumps(
+        {"pad_token": "<pad>", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}))
+    return out_dir
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out_dir", type=Path)
@@ -93,6 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-positions", type=int, default=2048)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--word-tokenizer", action="store_true",
+                    help="also write a word-level tokenizer (words w0..w<vocab-1>) and a chat template")
     args = ap.parse_args(argv)
     out = build(
         args.out_dir, layers=args.layers, hidden=args.hidden, heads=args.heads,
@@ -100,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
         intermediate=args.intermediate, max_positions=args.max_positions,
         seed=args.seed, dtype=args.dtype,
     )
+    if args.word_tokenizer:
+        write_word_tokenizer(out, args.vocab)
     print(f"tiny llama written to {out}")
     return 0
 

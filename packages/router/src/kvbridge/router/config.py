@@ -1,0 +1,127 @@
+"""Router configuration: which instances, which timeouts (a frozen dataclass).
+
+Built from command-line flags or a JSON file (see :func:`load_config`); every
+check raises :class:`ConfigError` saying what to change.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+
+class ConfigError(ValueError):
+    """The router configuration is invalid; the message says what to change."""
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Everything a router needs; several routers may share one (they keep no shared state).
+
+    ``prefill`` and ``decode`` are base URLs of OpenAI-compatible servers
+    (``http://host:port``, no path). Timeouts are in seconds and bound every
+    upstream call: ``prefill_timeout_s`` the whole prefill request,
+    ``decode_timeout_s`` the whole decode request (streams included),
+    ``connect_timeout_s`` opening a connection, ``health_timeout_s`` one health
+    probe. ``health_interval_s`` is the pause between probe rounds.
+    """
+
+    prefill: tuple[str, ...]
+    decode: tuple[str, ...]
+    host: str = "127.0.0.1"
+    port: int = 8000
+    connect_timeout_s: float = 5.0
+    prefill_timeout_s: float = 60.0
+    decode_timeout_s: float = 600.0
+    health_interval_s: float = 2.0
+    health_timeout_s: float = 2.0
+    max_connections: int = 1024
+    max_body_bytes: int = 16 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "prefill", tuple(normalize_url(u, "--prefill") for u in self.prefill))
+        object.__setattr__(self, "decode", tuple(normalize_url(u, "--decode") for u in self.decode))
+        if not self.decode:
+            raise ConfigError("at least one decode instance is needed: pass --decode URL")
+        for urls, flag in ((self.prefill, "--prefill"), (self.decode, "--decode")):
+            dupes = sorted({u for u in urls if urls.count(u) > 1})
+            if dupes:
+                raise ConfigError(f"{flag} lists {', '.join(dupes)} more than once; list each instance once")
+        both = sorted(set(self.prefill) & set(self.decode))
+        if both:
+            raise ConfigError(f"{', '.join(both)} is both a prefill and a decode instance; "
+                              "give each role its own server")
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"port {self.port} is out of range: use 0..65535")
+        for f in ("connect_timeout_s", "prefill_timeout_s", "decode_timeout_s",
+                  "health_interval_s", "health_timeout_s"):
+            v = getattr(self, f)
+            if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
+                raise ConfigError(f"{f} must be a positive number of seconds, got {v!r}")
+        for f in ("max_connections", "max_body_bytes"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ConfigError(f"{f} must be a positive integer, got {v!r}")
+
+    def with_overrides(self, **changes: Any) -> RouterConfig:
+        """A copy with some fields changed (``None`` values are ignored)."""
+        return replace(self, **{k: v for k, v in changes.items() if v is not None})
+
+
+def normalize_url(url: str, flag: str = "instance") -> str:
+    """``http://host:port`` without a trailing slash; raises ConfigError for anything else."""
+    if not isinstance(url, str) or not url.strip():
+        raise ConfigError(f"{flag}: empty instance URL; pass e.g. http://10.0.0.5:8100")
+    u = url.strip().rstrip("/")
+    if "://" not in u:
+        u = "http://" + u
+    parts = urlsplit(u)
+    if parts.scheme not in ("http", "https"):
+        raise ConfigError(f"{flag}: {url!r} must be an http:// or https:// URL")
+    try:
+        port = parts.port
+    except ValueError as e:
+        raise ConfigError(f"{flag}: {url!r} has an invalid port ({e})") from None
+    if not parts.hostname or port is None:
+        raise ConfigError(f"{flag}: {url!r} needs a host and a port, e.g. http://10.0.0.5:8100")
+    if parts.path not in ("", "/") or parts.query or parts.fragment:
+        raise ConfigError(f"{flag}: {url!r} must be a base URL without a path (the router adds /v1/...)")
+    return f"{parts.scheme}://{parts.netloc}"
+
+
+_FIELDS = {f.name for f in fields(RouterConfig)}
+
+
+def config_from_mapping(data: Mapping[str, Any], where: str = "config") -> RouterConfig:
+    """A RouterConfig from a mapping with the dataclass's field names."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{where}: the top level must be a JSON object")
+    unknown = sorted(set(data) - _FIELDS)
+    if unknown:
+        raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}; valid: {', '.join(sorted(_FIELDS))}")
+    kw = dict(data)
+    for role in ("prefill", "decode"):
+        v = kw.get(role, ())
+        if isinstance(v, str) or not isinstance(v, Sequence):
+            raise ConfigError(f"{where}: {role} must be a list of URLs")
+        kw[role] = tuple(v)
+    try:
+        return RouterConfig(**kw)
+    except TypeError as e:
+        raise ConfigError(f"{where}: {e}") from None
+
+
+def load_config(path: str | Path) -> RouterConfig:
+    """Read a JSON config file, e.g. ``{"prefill": ["http://p0:8100"], "decode": [...], "port": 8000}``."""
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text())
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {p}: {e.strerror or e}") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"config file {p} is not valid JSON: {e}") from None
+    return config_from_mapping(data, str(p))
