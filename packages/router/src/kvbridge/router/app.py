@@ -89,7 +89,10 @@ class _Endpoint:
         async def tracked_send(msg: MutableMapping[str, Any]) -> None:
             nonlocal answered
             await send(msg)
-            if msg["type"] == "http.response.body" and not msg.get("more_body", False):
+            if msg["type"] == "http.response.body" and (
+                    not msg.get("more_body", False)
+                    # a client may hang up right after the SSE terminator: it has everything
+                    or msg.get("body", b"").rstrip().endswith(b"data: [DONE]")):
                 answered = True
 
         async with create_task_group() as tg:
