@@ -317,6 +317,26 @@ def cpu_binding(prefill_tp: int, decode_tp: int, cpus: int | None = None) -> tup
             "|".join(str(prefill_tp + i) for i in range(decode_tp)))
 
 
+
+def stop_process_group(proc: subprocess.Popen, sig: int = signal.SIGTERM, grace_s: float = 10.0) -> None:
+    """Stop ``proc``'s process group: ``sig``, then SIGKILL after ``grace_s``; workers that
+    outlive the leader briefly are killed with the group."""
+    for s, wait_s in ((sig, grace_s), (signal.SIGKILL, 10.0)):
+        try:
+            os.killpg(proc.pid, s)
+        except ProcessLookupError:
+            break
+        try:
+            proc.wait(timeout=wait_s)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
 class EngineProcess:
     """One engine_runner.py process (its own session, so its workers die with it)."""
 
@@ -353,23 +373,8 @@ class EngineProcess:
 
     def kill(self, grace_s: float = 10.0) -> None:
         """Stop the process group: SIGTERM, then SIGKILL after ``grace_s``."""
-        if self.proc is None:
-            return
-        for sig, wait_s in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 10.0)):
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                self.proc.wait(timeout=wait_s)
-                break
-            except subprocess.TimeoutExpired:
-                continue
-        # Workers may outlive the leader briefly; make sure the group is gone.
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        if self.proc is not None:
+            stop_process_group(self.proc, signal.SIGTERM, grace_s)
 
     def log_text(self) -> str:
         try:

@@ -29,6 +29,7 @@ from e2e_harness import (
     e2e_python,
     free_port,
     missing_env_reason,
+    stop_process_group,
 )
 
 HOST = "127.0.0.1"
@@ -150,22 +151,8 @@ class Served:
         return parse_metrics(http_text(self.url + "/metrics"))
 
     def kill(self, sig: int = signal.SIGTERM, grace_s: float = 15.0) -> None:
-        if self.proc is None:
-            return
-        for s, wait_s in ((sig, grace_s), (signal.SIGKILL, 10.0)):
-            try:
-                os.killpg(self.proc.pid, s)
-            except ProcessLookupError:
-                break
-            try:
-                self.proc.wait(timeout=wait_s)
-                break
-            except subprocess.TimeoutExpired:
-                continue
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        if self.proc is not None:
+            stop_process_group(self.proc, sig, grace_s)
 
 
 def stop_all(servers: Sequence[Served], grace_s: float = 15.0) -> None:
