@@ -31,6 +31,19 @@ from .synthetic import logical_kv
 _CTX = mp.get_context("spawn")
 
 
+def start_context(method: str = "spawn"):
+    """A multiprocessing context for the engine processes. ``forkserver`` forks them from a
+    server that imported torch and NIXL once: a restart then takes about a second instead of a
+    fresh interpreter's import time (what the soak's restarts need)."""
+    if method != "forkserver":
+        return mp.get_context(method)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # inherited by the server and its children
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__, "nixl._api"])
+    return ctx
+
+
 class HarnessError(RuntimeError):
     """A harness process failed or did not answer in time."""
 
@@ -196,8 +209,9 @@ class EngineGroup:
     """The processes of one engine."""
 
     def __init__(self, role: str, spec: EngineSpec, num_blocks: int, config: EngineConfig,
-                 ranks_per_process: int | None = None, incarnation: str | None = None):
+                 ranks_per_process: int | None = None, incarnation: str | None = None, ctx=None):
         self.role, self.spec, self.num_blocks, self.config = role, spec, num_blocks, config
+        self.ctx = ctx or _CTX
         self.incarnation = incarnation or new_incarnation()
         per = ranks_per_process or spec.tp_size
         self.groups = [list(range(i, min(i + per, spec.tp_size))) for i in range(0, spec.tp_size, per)]
@@ -213,8 +227,8 @@ class EngineGroup:
 
     def launch(self) -> None:
         for i, ranks in enumerate(self.groups):
-            parent, child = _CTX.Pipe()
-            p = _CTX.Process(target=_child, args=(child, self.role, self.spec, ranks, self.num_blocks,
+            parent, child = self.ctx.Pipe()
+            p = self.ctx.Process(target=_child, args=(child, self.role, self.spec, ranks, self.num_blocks,
                                                   self.config, self.incarnation, i == 0), daemon=True)
             p.start()
             child.close()
@@ -245,6 +259,15 @@ class EngineGroup:
             c.send((cmd, arg))
         for c in self.conns:
             _expect_ok(c, timeout, sink)
+
+    @property
+    def pids(self) -> list[int]:
+        """The process ids, in process order (process i runs ranks ``groups[i]``)."""
+        return [p.pid for p in self.procs]
+
+    def signal(self, index: int, sig: int) -> None:
+        """Send ``sig`` to process ``index`` (fault injection: SIGKILL, SIGSTOP, SIGCONT)."""
+        os.kill(self.procs[index].pid, sig)
 
     def kill(self) -> None:
         for p in self.procs:
@@ -282,16 +305,20 @@ class Cluster:
 
     def __init__(self, prefill: EngineSpec, decode: EngineSpec, *, num_blocks: int = 64,
                  config: EngineConfig | None = None, decode_config: EngineConfig | None = None,
-                 ranks_per_process: int | None = None):
+                 ranks_per_process: int | None = None, start_method: str = "spawn"):
         self.plan = plan_transfer(prefill, decode)
+        self.ctx = start_context(start_method)
         self.config = config or EngineConfig()
         self.decode_config = decode_config or self.config
         self.num_blocks = num_blocks
         self.ranks_per_process = ranks_per_process
-        self.prefill = EngineGroup("p", prefill, num_blocks, self.config, ranks_per_process)
-        self.decode = EngineGroup("d", decode, num_blocks, self.decode_config, ranks_per_process)
+        self.prefill = EngineGroup("p", prefill, num_blocks, self.config, ranks_per_process, ctx=self.ctx)
+        self.decode = EngineGroup("d", decode, num_blocks, self.decode_config, ranks_per_process,
+                                  ctx=self.ctx)
         self.results: dict[str, RequestResult] = {}
         self.events: list[tuple] = []
+        self.keep_events = True  # False: long runs keep no event log
+        self.duplicates: list[tuple] = []  # a rank reporting one request twice (must stay empty)
         self._tokens: dict[str, str] = {}
 
     @property
@@ -309,8 +336,15 @@ class Cluster:
         """Kill the prefill engine and start a new incarnation on a new port."""
         self.prefill.kill()
         self.prefill = EngineGroup("p", self.prefill.spec, self.num_blocks, self.config,
-                                   self.ranks_per_process)
+                                   self.ranks_per_process, ctx=self.ctx)
         self.prefill.start()
+
+    def restart_decode(self) -> None:
+        """Kill the decode engine and start a new incarnation on a new port."""
+        self.decode.kill()
+        self.decode = EngineGroup("d", self.decode.spec, self.num_blocks, self.decode_config,
+                                  self.ranks_per_process, ctx=self.ctx)
+        self.decode.start()
 
     def params(self, rid: str, p_blocks: list[int], token: str) -> TransferParams:
         p = self.prefill
@@ -371,6 +405,10 @@ class Cluster:
             self._absorb((kind, arg))
         return bool(ready)
 
+    def ended(self, rid: str) -> bool:
+        """Every decode rank reported the request done or failed (bytes may be unverified yet)."""
+        return self._transferred(rid)
+
     def _transferred(self, rid: str) -> bool:
         res = self.results.get(rid)
         return res is not None and len(res.done_at) + len(res.failed) >= self.decode.spec.tp_size
@@ -429,9 +467,16 @@ class Cluster:
 
     def _absorb(self, msg) -> None:
         kind, arg = msg
-        self.events.append(msg)
+        if self.keep_events:
+            self.events.append(msg)
         if kind == "crash":
             raise HarnessError(f"a harness process crashed:\n{arg}")
+        res = self.results.get(arg[1]) if kind in ("done", "verified", "failed", "released") else None
+        if res is not None and (
+                (kind in ("done", "failed") and (arg[0] in res.done_at or arg[0] in res.failed))
+                or (kind == "verified" and arg[0] in res.done)
+                or (kind == "released" and arg[0] in res.released)):
+            self.duplicates.append(msg)
         if kind == "done":
             res = self.results.setdefault(arg[1], RequestResult(arg[1]))
             res.done_at[arg[0]], res.loaded_at[arg[0]], res.load_call_us[arg[0]] = arg[2], arg[3], arg[4]
