@@ -85,7 +85,6 @@ class Lane:
         self.cfg = EngineConfig(mode=self.mode, **CONFIG)
         self.cluster = Cluster(p, d, num_blocks=NUM_BLOCKS, config=self.cfg, ranks_per_process=1,
                                start_method="forkserver")
-        self.cluster.keep_events = False
         self.report = LaneReport(name, requests, checkpoint=checkpoint)
         self.reqs: dict[str, Req] = {}
         self.frozen: tuple[EngineGroup, int, float] | None = None

@@ -11,7 +11,6 @@ Used by ``kvbridge demo``, ``kvbridge bench`` and the multi-process tests.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import time
 import traceback
@@ -26,22 +25,11 @@ from kvbridge.topology import EngineSpec, plan_transfer
 from ..config import EngineConfig, TransferParams
 from ..messages import new_token
 from .local import LocalRanks
+from .spawn import start_context
 from .synthetic import logical_kv
 
-_CTX = mp.get_context("spawn")
-
-
-def start_context(method: str = "spawn"):
-    """A multiprocessing context for the engine processes. ``forkserver`` forks them from a
-    server that imported torch and NIXL once: a restart then takes about a second instead of a
-    fresh interpreter's import time (what the soak's restarts need)."""
-    if method != "forkserver":
-        return mp.get_context(method)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # inherited by the server and its children
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload([__name__, "nixl._api"])
-    return ctx
+_SEEN = {"done": ("done_at", "failed"), "failed": ("done_at", "failed"),  # where a rank's earlier
+         "verified": ("done",), "released": ("released",)}  # report of a request is kept
 
 
 class HarnessError(RuntimeError):
@@ -211,7 +199,7 @@ class EngineGroup:
     def __init__(self, role: str, spec: EngineSpec, num_blocks: int, config: EngineConfig,
                  ranks_per_process: int | None = None, incarnation: str | None = None, ctx=None):
         self.role, self.spec, self.num_blocks, self.config = role, spec, num_blocks, config
-        self.ctx = ctx or _CTX
+        self.ctx = ctx or start_context()
         self.incarnation = incarnation or new_incarnation()
         per = ranks_per_process or spec.tp_size
         self.groups = [list(range(i, min(i + per, spec.tp_size))) for i in range(0, spec.tp_size, per)]
@@ -261,12 +249,10 @@ class EngineGroup:
             _expect_ok(c, timeout, sink)
 
     @property
-    def pids(self) -> list[int]:
-        """The process ids, in process order (process i runs ranks ``groups[i]``)."""
+    def pids(self) -> list[int]:  # process i runs ranks groups[i]
         return [p.pid for p in self.procs]
 
-    def signal(self, index: int, sig: int) -> None:
-        """Send ``sig`` to process ``index`` (fault injection: SIGKILL, SIGSTOP, SIGCONT)."""
+    def signal(self, index: int, sig: int) -> None:  # fault injection: SIGKILL, SIGSTOP, SIGCONT
         os.kill(self.procs[index].pid, sig)
 
     def kill(self) -> None:
@@ -312,12 +298,10 @@ class Cluster:
         self.decode_config = decode_config or self.config
         self.num_blocks = num_blocks
         self.ranks_per_process = ranks_per_process
-        self.prefill = EngineGroup("p", prefill, num_blocks, self.config, ranks_per_process, ctx=self.ctx)
-        self.decode = EngineGroup("d", decode, num_blocks, self.decode_config, ranks_per_process,
-                                  ctx=self.ctx)
+        self.prefill = self._group("p", prefill, self.config)
+        self.decode = self._group("d", decode, self.decode_config)
         self.results: dict[str, RequestResult] = {}
         self.events: list[tuple] = []
-        self.keep_events = True  # False: long runs keep no event log
         self.duplicates: list[tuple] = []  # a rank reporting one request twice (must stay empty)
         self._tokens: dict[str, str] = {}
 
@@ -335,16 +319,17 @@ class Cluster:
     def restart_prefill(self) -> None:
         """Kill the prefill engine and start a new incarnation on a new port."""
         self.prefill.kill()
-        self.prefill = EngineGroup("p", self.prefill.spec, self.num_blocks, self.config,
-                                   self.ranks_per_process, ctx=self.ctx)
+        self.prefill = self._group("p", self.prefill.spec, self.config)
         self.prefill.start()
 
     def restart_decode(self) -> None:
         """Kill the decode engine and start a new incarnation on a new port."""
         self.decode.kill()
-        self.decode = EngineGroup("d", self.decode.spec, self.num_blocks, self.decode_config,
-                                  self.ranks_per_process, ctx=self.ctx)
+        self.decode = self._group("d", self.decode.spec, self.decode_config)
         self.decode.start()
+
+    def _group(self, role: str, spec: EngineSpec, config: EngineConfig) -> EngineGroup:
+        return EngineGroup(role, spec, self.num_blocks, config, self.ranks_per_process, ctx=self.ctx)
 
     def params(self, rid: str, p_blocks: list[int], token: str) -> TransferParams:
         p = self.prefill
@@ -407,9 +392,6 @@ class Cluster:
 
     def ended(self, rid: str) -> bool:
         """Every decode rank reported the request done or failed (bytes may be unverified yet)."""
-        return self._transferred(rid)
-
-    def _transferred(self, rid: str) -> bool:
         res = self.results.get(rid)
         return res is not None and len(res.done_at) + len(res.failed) >= self.decode.spec.tp_size
 
@@ -429,7 +411,7 @@ class Cluster:
         left = set(rids)
         asked = False
         while left:
-            if not asked and all(self._transferred(r) for r in left):
+            if not asked and all(self.ended(r) for r in left):
                 for c in self.decode.conns:
                     try:
                         c.send(("verify", None))
@@ -467,15 +449,11 @@ class Cluster:
 
     def _absorb(self, msg) -> None:
         kind, arg = msg
-        if self.keep_events:
-            self.events.append(msg)
+        self.events.append(msg)
         if kind == "crash":
             raise HarnessError(f"a harness process crashed:\n{arg}")
         res = self.results.get(arg[1]) if kind in ("done", "verified", "failed", "released") else None
-        if res is not None and (
-                (kind in ("done", "failed") and (arg[0] in res.done_at or arg[0] in res.failed))
-                or (kind == "verified" and arg[0] in res.done)
-                or (kind == "released" and arg[0] in res.released)):
+        if res is not None and any(arg[0] in getattr(res, a) for a in _SEEN[kind]):
             self.duplicates.append(msg)
         if kind == "done":
             res = self.results.setdefault(arg[1], RequestResult(arg[1]))
