@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 
 #: counts that must stay within a fixed bound from the checkpoint on
 EXACT = ("threads", "fds", "sockets", "transfers", "lists", "remote_agents", "peers")
-#: counts allowed one more per peer agent that went away (died, or a stranger that closed):
-#: NIXL's UCX backend leaves the TCP socket of a removed agent's endpoint open (CLOSE-WAIT;
-#: upstream ai-dynamo/nixl#2025), so each departed peer costs this process one socket
+#: counts allowed one more per peer agent whose process died: NIXL's UCX backend leaves the
+#: TCP socket of such an agent's endpoint open (CLOSE-WAIT) after the agent is removed
+#: (upstream ai-dynamo/nixl#2025), so each departed peer costs this process one socket
 PER_DEPARTED_PEER = ("fds", "sockets")
 
 
@@ -58,7 +58,7 @@ class Series:
     points: list[tuple[int, dict[str, int]]] = field(default_factory=list)
 
     def add(self, requests: int, sample: ProcSample, handles: dict[str, int], departed: int = 0) -> None:
-        """``departed``: peer agents that connected to this process and went away, so far."""
+        """``departed``: peer agents that were connected to this process and died, so far."""
         counts = {"rss_kib": sample.rss_kib, "threads": sample.threads, "fds": sample.fds,
                   "sockets": sample.sockets, "departed": departed}
         counts.update({k: v for k, v in handles.items() if k in EXACT})
