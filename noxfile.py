@@ -12,7 +12,7 @@ import pathlib
 import nox
 
 nox.options.default_venv_backend = "uv"
-nox.options.sessions = ["lint", "tests", "integration", "isolation", "isolation_router", "e2e"]
+nox.options.sessions = ["lint", "tests", "integration", "soak", "isolation", "isolation_router", "e2e"]
 nox.options.error_on_missing_interpreters = True
 
 ROOT = pathlib.Path(__file__).parent
@@ -46,6 +46,13 @@ def integration(session: nox.Session) -> None:
     if not any((ROOT / "tests").glob("test_*.py")):
         session.skip("no cross-package tests yet")
     _uv_run(session, "pytest", "tests", "-q", "--ignore=tests/e2e", *session.posargs)
+
+
+@nox.session(python=False)
+def soak(session: nox.Session) -> None:
+    """Engines under random faults (tests/soak/soak.py): 600 requests by default, about a
+    minute; the full run is `uv run nox -s soak -- --requests 10000`."""
+    _uv_run(session, "python", str(ROOT / "tests" / "soak" / "soak.py"), *session.posargs)
 
 
 @nox.session

@@ -11,7 +11,6 @@ Used by ``kvbridge demo``, ``kvbridge bench`` and the multi-process tests.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import time
 import traceback
@@ -26,9 +25,11 @@ from kvbridge.topology import EngineSpec, plan_transfer
 from ..config import EngineConfig, TransferParams
 from ..messages import new_token
 from .local import LocalRanks
+from .spawn import start_context
 from .synthetic import logical_kv
 
-_CTX = mp.get_context("spawn")
+_SEEN = {"done": ("done_at", "failed"), "failed": ("done_at", "failed"),  # where a rank's earlier
+         "verified": ("done",), "released": ("released",)}  # report of a request is kept
 
 
 class HarnessError(RuntimeError):
@@ -196,8 +197,9 @@ class EngineGroup:
     """The processes of one engine."""
 
     def __init__(self, role: str, spec: EngineSpec, num_blocks: int, config: EngineConfig,
-                 ranks_per_process: int | None = None, incarnation: str | None = None):
+                 ranks_per_process: int | None = None, incarnation: str | None = None, ctx=None):
         self.role, self.spec, self.num_blocks, self.config = role, spec, num_blocks, config
+        self.ctx = ctx or start_context()
         self.incarnation = incarnation or new_incarnation()
         per = ranks_per_process or spec.tp_size
         self.groups = [list(range(i, min(i + per, spec.tp_size))) for i in range(0, spec.tp_size, per)]
@@ -213,8 +215,8 @@ class EngineGroup:
 
     def launch(self) -> None:
         for i, ranks in enumerate(self.groups):
-            parent, child = _CTX.Pipe()
-            p = _CTX.Process(target=_child, args=(child, self.role, self.spec, ranks, self.num_blocks,
+            parent, child = self.ctx.Pipe()
+            p = self.ctx.Process(target=_child, args=(child, self.role, self.spec, ranks, self.num_blocks,
                                                   self.config, self.incarnation, i == 0), daemon=True)
             p.start()
             child.close()
@@ -245,6 +247,13 @@ class EngineGroup:
             c.send((cmd, arg))
         for c in self.conns:
             _expect_ok(c, timeout, sink)
+
+    @property
+    def pids(self) -> list[int]:  # process i runs ranks groups[i]
+        return [p.pid for p in self.procs]
+
+    def signal(self, index: int, sig: int) -> None:  # fault injection: SIGKILL, SIGSTOP, SIGCONT
+        os.kill(self.procs[index].pid, sig)
 
     def kill(self) -> None:
         for p in self.procs:
@@ -282,16 +291,18 @@ class Cluster:
 
     def __init__(self, prefill: EngineSpec, decode: EngineSpec, *, num_blocks: int = 64,
                  config: EngineConfig | None = None, decode_config: EngineConfig | None = None,
-                 ranks_per_process: int | None = None):
+                 ranks_per_process: int | None = None, start_method: str = "spawn"):
         self.plan = plan_transfer(prefill, decode)
+        self.ctx = start_context(start_method)
         self.config = config or EngineConfig()
         self.decode_config = decode_config or self.config
         self.num_blocks = num_blocks
         self.ranks_per_process = ranks_per_process
-        self.prefill = EngineGroup("p", prefill, num_blocks, self.config, ranks_per_process)
-        self.decode = EngineGroup("d", decode, num_blocks, self.decode_config, ranks_per_process)
+        self.prefill = self._group("p", prefill, self.config)
+        self.decode = self._group("d", decode, self.decode_config)
         self.results: dict[str, RequestResult] = {}
         self.events: list[tuple] = []
+        self.duplicates: list[tuple] = []  # a rank reporting one request twice (must stay empty)
         self._tokens: dict[str, str] = {}
 
     @property
@@ -308,9 +319,17 @@ class Cluster:
     def restart_prefill(self) -> None:
         """Kill the prefill engine and start a new incarnation on a new port."""
         self.prefill.kill()
-        self.prefill = EngineGroup("p", self.prefill.spec, self.num_blocks, self.config,
-                                   self.ranks_per_process)
+        self.prefill = self._group("p", self.prefill.spec, self.config)
         self.prefill.start()
+
+    def restart_decode(self) -> None:
+        """Kill the decode engine and start a new incarnation on a new port."""
+        self.decode.kill()
+        self.decode = self._group("d", self.decode.spec, self.decode_config)
+        self.decode.start()
+
+    def _group(self, role: str, spec: EngineSpec, config: EngineConfig) -> EngineGroup:
+        return EngineGroup(role, spec, self.num_blocks, config, self.ranks_per_process, ctx=self.ctx)
 
     def params(self, rid: str, p_blocks: list[int], token: str) -> TransferParams:
         p = self.prefill
@@ -371,7 +390,8 @@ class Cluster:
             self._absorb((kind, arg))
         return bool(ready)
 
-    def _transferred(self, rid: str) -> bool:
+    def ended(self, rid: str) -> bool:
+        """Every decode rank reported the request done or failed (bytes may be unverified yet)."""
         res = self.results.get(rid)
         return res is not None and len(res.done_at) + len(res.failed) >= self.decode.spec.tp_size
 
@@ -391,7 +411,7 @@ class Cluster:
         left = set(rids)
         asked = False
         while left:
-            if not asked and all(self._transferred(r) for r in left):
+            if not asked and all(self.ended(r) for r in left):
                 for c in self.decode.conns:
                     try:
                         c.send(("verify", None))
@@ -432,6 +452,9 @@ class Cluster:
         self.events.append(msg)
         if kind == "crash":
             raise HarnessError(f"a harness process crashed:\n{arg}")
+        res = self.results.get(arg[1]) if kind in ("done", "verified", "failed", "released") else None
+        if res is not None and any(arg[0] in getattr(res, a) for a in _SEEN[kind]):
+            self.duplicates.append(msg)
         if kind == "done":
             res = self.results.setdefault(arg[1], RequestResult(arg[1]))
             res.done_at[arg[0]], res.loaded_at[arg[0]], res.load_call_us[arg[0]] = arg[2], arg[3], arg[4]
