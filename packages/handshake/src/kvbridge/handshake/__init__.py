@@ -7,8 +7,10 @@ pickle), checked in two phases (envelope version and compatibility hash, then
 the metadata bodies), and every wait is bounded.
 """
 
+from .auth import DEFAULT_REPLAY_WINDOW_S, derive_key, normalize_key
 from .client import DEFAULT_MAX_REPLY_BYTES, fetch_metadata
 from .errors import (
+    AuthenticationFailed,
     HandshakeError,
     HandshakeTimeout,
     IncompatiblePeer,
@@ -42,7 +44,8 @@ from .wire import (
 )
 
 __all__ = [
-    "DEFAULT_MAX_REPLY_BYTES", "ERROR_CODES", "MEMORY_TYPES", "PROTOCOL_VERSION", "AgentMetadata",
+    "DEFAULT_MAX_REPLY_BYTES", "DEFAULT_REPLAY_WINDOW_S", "AuthenticationFailed", "derive_key",
+    "normalize_key", "ERROR_CODES", "MEMORY_TYPES", "PROTOCOL_VERSION", "AgentMetadata",
     "EngineFacts", "ErrorReply", "HandshakeError", "HandshakeTimeout", "IncompatiblePeer",
     "InvalidMetadata", "MalformedReply", "MambaSpecFacts", "MetadataReply", "MetadataRequest",
     "MetadataServer", "PeerUnreachable", "RequestRejected", "ServerStats", "UnknownRank", "WrongEngine", "check_metadata",
