@@ -23,6 +23,10 @@ _ECHO = 120
 #: poll interval of the serving thread; close() also wakes it at once
 _POLL_MS = 500
 _JOIN_TIMEOUT_S = 10.0
+#: a new connection must complete the ZMTP greeting within this (ms)
+_HANDSHAKE_IVL_MS = 5000
+#: messages one connection may have queued at the server (a REQ client sends one at a time)
+_RCV_HWM = 8
 
 
 class ServerStats(msgspec.Struct, frozen=True, kw_only=True):
@@ -118,6 +122,12 @@ class MetadataServer:
             router = self._ctx.socket(zmq.ROUTER)
             router.setsockopt(zmq.LINGER, 0)
             router.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
+            # bounded work per stranger: a connection that has not finished the ZMTP greeting
+            # in a few seconds is dropped (libzmq's default keeps it, and its fd, for 30 s), and
+            # each connection may queue only a few messages here (the rest waits in its TCP
+            # window), so a flood costs at most _RCV_HWM * max_frame_bytes per connection
+            router.setsockopt(zmq.HANDSHAKE_IVL, _HANDSHAKE_IVL_MS)
+            router.setsockopt(zmq.RCVHWM, _RCV_HWM)
             if ":" in host:
                 router.setsockopt(zmq.IPV6, 1)
             try:
