@@ -4,7 +4,9 @@ A prefill engine serves its ranks' :class:`AgentMetadata` with a
 :class:`MetadataServer`; a decode rank calls :func:`fetch_metadata` for the
 ranks its transfer plan names. Messages are msgspec Structs in msgpack (never
 pickle), checked in two phases (envelope version and compatibility hash, then
-the metadata bodies), and every wait is bounded.
+the metadata bodies), and every wait is bounded. With an optional shared
+secret (``auth_key`` on both sides) requests and replies are authenticated
+(:mod:`kvbridge.handshake.auth`).
 """
 
 from .auth import DEFAULT_REPLAY_WINDOW_S, derive_key, normalize_key
