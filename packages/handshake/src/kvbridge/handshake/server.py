@@ -27,6 +27,8 @@ _JOIN_TIMEOUT_S = 10.0
 _HANDSHAKE_IVL_MS = 5000
 #: messages one connection may have queued at the server (a REQ client sends one at a time)
 _RCV_HWM = 8
+#: pending connections the kernel keeps for the server (capped by net.core.somaxconn)
+_BACKLOG = 4096
 
 
 class ServerStats(msgspec.Struct, frozen=True, kw_only=True):
@@ -128,6 +130,9 @@ class MetadataServer:
             # window), so a flood costs at most _RCV_HWM * max_frame_bytes per connection
             router.setsockopt(zmq.HANDSHAKE_IVL, _HANDSHAKE_IVL_MS)
             router.setsockopt(zmq.RCVHWM, _RCV_HWM)
+            # libzmq's listen backlog is 100: a connection flood overflows it and a valid
+            # client's SYN is dropped, to be retried by TCP one second later
+            router.setsockopt(zmq.BACKLOG, _BACKLOG)
             if ":" in host:
                 router.setsockopt(zmq.IPV6, 1)
             try:
