@@ -133,6 +133,11 @@ class MetadataServer:
             # libzmq's listen backlog is 100: a connection flood overflows it and a valid
             # client's SYN is dropped, to be retried by TCP one second later
             router.setsockopt(zmq.BACKLOG, _BACKLOG)
+            # a ZAP domain makes libzmq refuse ZMTP 1.0/2.0 peers at the greeting: random bytes
+            # otherwise pass as an unversioned ZMTP 1.0 peer, a path on which libzmq 4.3.5
+            # aborted the process under a connection flood here (zmtp_engine.cpp:422, EAGAIN).
+            # Without a ZAP handler bound, NULL-mechanism peers (every kvbridge client) pass.
+            router.setsockopt(zmq.ZAP_DOMAIN, b"kvbridge-side-channel")
             if ":" in host:
                 router.setsockopt(zmq.IPV6, 1)
             try:
