@@ -153,3 +153,61 @@ def open_fds() -> int | None:
         return None
 
 
+
+
+def flood(port: int, kind: str, seconds: float, seed: int, out) -> None:
+    """A flooder process (spawn target): hostile traffic to 127.0.0.1:``port`` for ``seconds``,
+    at most 200,000 sends. ``zmq``: new and held DEALER connections sending garbage and
+    unauthenticated requests; ``tcp``: raw TCP connections sending non-ZMTP bytes or nothing.
+    Sends (sent, connections) on ``out``."""
+    import random
+    import socket
+    import time
+
+    rng = random.Random(seed)
+    end = time.monotonic() + seconds
+    sent = conns = 0
+    ctx = zmq.Context(io_threads=1)
+    held: list = []
+    try:
+        while time.monotonic() < end and sent < 200_000:
+            if kind == "zmq":
+                if len(held) < 4 or rng.random() < 0.05:
+                    s = ctx.socket(zmq.DEALER)
+                    s.setsockopt(zmq.LINGER, 0)
+                    s.setsockopt(zmq.SNDHWM, 50)
+                    s.connect(f"tcp://127.0.0.1:{port}")
+                    held.append(s)
+                    conns += 1
+                    if len(held) > 8:
+                        held.pop(0).close(0)
+                s = held[rng.randrange(len(held))]
+                body = (rng.randbytes(rng.randrange(1, 300)) if rng.random() < 0.5 else
+                        msgspec.msgpack.encode({"kind": "metadata-request", "protocol_version": 1,
+                                                "ranks": [0], "nonce": rng.randrange(1 << 60),
+                                                "sent_ms": int(time.time() * 1000),
+                                                "auth": rng.randbytes(32)}))
+                try:
+                    s.send_multipart([b"", body], zmq.NOBLOCK)
+                    sent += 1
+                except zmq.Again:
+                    time.sleep(0.001)
+            else:
+                c = socket.socket()
+                c.settimeout(1.0)
+                try:
+                    c.connect(("127.0.0.1", port))
+                    conns += 1
+                    if rng.random() < 0.5:
+                        c.send(rng.randbytes(rng.randrange(1, 200)))
+                        sent += 1
+                except OSError:
+                    pass
+                held.append(c)
+                if len(held) > 100:
+                    held.pop(0).close()
+    finally:
+        for h in held:
+            h.close(0) if kind == "zmq" else h.close()
+        ctx.term()
+        out.send((sent, conns))

@@ -106,6 +106,8 @@ def _is_valid_request(d: dict) -> bool:
         and all(type(r) is int and 0 <= r < TP for r in ranks)
         and d.get("engine_id", None) in (None, "prefill-0")
         and type(d.get("nonce", 0)) is int
+        and type(d.get("sent_ms", 0)) is int and -(2**63) <= d.get("sent_ms", 0) < 2**64
+        and type(d.get("auth", b"")) is bytes
     )
 
 

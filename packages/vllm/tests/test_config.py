@@ -142,3 +142,35 @@ def test_other_unsupported_engines_are_refused(kw: dict, fragment: str) -> None:
     cfg = kw.pop("config", ConnectorConfig())
     with pytest.raises(ConfigError, match=fragment):
         check_engine_support(cfg, **kw)
+
+
+KEY = "0123456789abcdef-shared-by-both"
+
+
+def test_auth_key_from_extra_config_or_env_and_never_printed() -> None:
+    assert parse_connector_config({}, env={}).auth_key is None
+    assert parse_connector_config({}, env={"KVBRIDGE_AUTH_KEY": KEY}).auth_key == KEY
+    assert parse_connector_config({"auth_key": KEY}, env={"KVBRIDGE_AUTH_KEY": "x" * 20}).auth_key == KEY
+    cfg = parse_connector_config({"auth_key": KEY}, env={})
+    assert KEY not in repr(cfg)
+
+
+@pytest.mark.parametrize("extra, env, where", [
+    ({"auth_key": "too-short"}, {}, "kv_connector_extra_config['auth_key']"),
+    ({}, {"KVBRIDGE_AUTH_KEY": "too-short"}, "KVBRIDGE_AUTH_KEY"),
+    ({"auth_key": 1234567890123456789}, {}, "must be a string"),
+])
+def test_bad_auth_key_is_refused_without_echoing_it(extra: dict, env: dict, where: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        parse_connector_config(extra, env=env)
+    assert where in str(e.value) and "too-short" not in str(e.value)
+
+
+def test_auth_key_reaches_the_engine_config() -> None:
+    from kvbridge.vllm.registration import engine_config
+
+    cfg = parse_connector_config({"auth_key": KEY}, env={})
+    eng = engine_config(cfg, mem_type="DRAM", model="m", attention_backend="b")
+    assert eng.auth_key == KEY
+    assert engine_config(parse_connector_config({}, env={}), mem_type="DRAM", model="m",
+                         attention_backend="b").auth_key is None

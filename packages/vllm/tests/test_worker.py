@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import socket
 import time
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -62,16 +63,17 @@ def _free_port() -> int:
 class Engine:
     """One engine's two connector halves, wired as KVBridgeConnector wires them."""
 
-    def __init__(self, engine_id: str, roles: EngineRoles, seed: int | None) -> None:
+    def __init__(self, engine_id: str, roles: EngineRoles, seed: int | None,
+                 cfg: ConnectorConfig = CFG) -> None:
         self.caches = _caches(seed)
         port = _free_port()
-        self.sched = SchedulerSide(engine_id=engine_id, block_size=BLOCK, tp_size=1, config=CFG,
+        self.sched = SchedulerSide(engine_id=engine_id, block_size=BLOCK, tp_size=1, config=cfg,
                                    port=port, roles=roles)
         self.worker = WorkerSide(0, roles)
-        reg = register_caches(_vllm_config(), SimpleNamespace(num_blocks=NB), self.caches, CFG,
+        reg = register_caches(_vllm_config(), SimpleNamespace(num_blocks=NB), self.caches, cfg,
                               engine_id=engine_id, attention_backend="test")
         self.worker.register(reg.spec, reg.regions, reg.engine_config, incarnation=f"{engine_id}-1",
-                             address=(CFG.side_channel_host, port))
+                             address=(cfg.side_channel_host, port))
         hs = self.worker.handshake()
         if hs is not None:
             self.sched.serve({0: hs})
@@ -122,6 +124,33 @@ def test_a_request_moves_from_the_prefill_worker_to_the_decode_worker(pair) -> N
     stats = d.worker.take_stats()
     assert stats is not None and stats["requests_done"] == 1 and len(stats["transfer_duration"]) >= 1
     assert sum(stats["bytes_transferred"]) == 3 * LAYERS * HEADS * BLOCK * 2 * HEAD * 4
+
+
+@pytest.mark.parametrize("decode_key, moves", [("0123456789abcdef-same", True),
+                                               ("fedcba9876543210-other", False), (None, False)])
+def test_auth_key_from_the_connector_config_guards_the_side_channel(decode_key, moves) -> None:
+    """Prefill keyed: a decode engine with the same key loads; another key or none fails the
+    load with its blocks invalid (never a hang)."""
+    p = Engine("P", PREFILL, seed=1, cfg=replace(CFG, auth_key="0123456789abcdef-same"))
+    d = Engine("D", DECODE, seed=None, cfg=replace(CFG, auth_key=decode_key))
+    try:
+        assert p.sched.server is not None and p.sched.server.authenticated
+        _, params = p.sched.state.finished("p-1", prefill_request_params(), completed=True,
+                                           block_ids=([3, 5],), num_computed_tokens=20,
+                                           num_prompt_tokens=20)
+        d.sched.state.matched_tokens("d-1", params, 20, 0)
+        d.sched.state.after_alloc("d-1", params, 20, [[2, 9]], 0, 20)
+        sent, recved, failed = _run(p, d, lambda s, r, f: "d-1" in r)
+        assert recved == {"d-1"} and failed == (set() if moves else {"d-1"})
+        if moves:
+            for name, pc in p.caches.items():
+                torch.testing.assert_close(d.caches[name][[2, 9]], pc[[3, 5]], rtol=0, atol=0)
+        else:
+            assert d.worker.take_invalid_blocks() == {2, 9}
+            assert d.worker.take_stats()["failed_handshakes"] == 1
+    finally:
+        d.close()
+        p.close()
 
 
 def test_a_load_from_a_dead_prefill_engine_fails_with_its_blocks_invalid(pair) -> None:

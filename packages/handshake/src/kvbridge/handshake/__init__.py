@@ -4,11 +4,15 @@ A prefill engine serves its ranks' :class:`AgentMetadata` with a
 :class:`MetadataServer`; a decode rank calls :func:`fetch_metadata` for the
 ranks its transfer plan names. Messages are msgspec Structs in msgpack (never
 pickle), checked in two phases (envelope version and compatibility hash, then
-the metadata bodies), and every wait is bounded.
+the metadata bodies), and every wait is bounded. With an optional shared
+secret (``auth_key`` on both sides) requests and replies are authenticated
+(:mod:`kvbridge.handshake.auth`).
 """
 
+from .auth import DEFAULT_REPLAY_WINDOW_S, derive_key, normalize_key
 from .client import DEFAULT_MAX_REPLY_BYTES, fetch_metadata
 from .errors import (
+    AuthenticationFailed,
     HandshakeError,
     HandshakeTimeout,
     IncompatiblePeer,
@@ -42,7 +46,8 @@ from .wire import (
 )
 
 __all__ = [
-    "DEFAULT_MAX_REPLY_BYTES", "ERROR_CODES", "MEMORY_TYPES", "PROTOCOL_VERSION", "AgentMetadata",
+    "DEFAULT_MAX_REPLY_BYTES", "DEFAULT_REPLAY_WINDOW_S", "AuthenticationFailed", "derive_key",
+    "normalize_key", "ERROR_CODES", "MEMORY_TYPES", "PROTOCOL_VERSION", "AgentMetadata",
     "EngineFacts", "ErrorReply", "HandshakeError", "HandshakeTimeout", "IncompatiblePeer",
     "InvalidMetadata", "MalformedReply", "MambaSpecFacts", "MetadataReply", "MetadataRequest",
     "MetadataServer", "PeerUnreachable", "RequestRejected", "ServerStats", "UnknownRank", "WrongEngine", "check_metadata",

@@ -11,8 +11,9 @@ import msgspec
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from . import wire
+from . import auth, wire
 from .errors import (
+    AuthenticationFailed,
     HandshakeError,
     HandshakeTimeout,
     IncompatiblePeer,
@@ -42,6 +43,7 @@ def fetch_metadata(
     max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES,
     context: zmq.Context | None = None,
     refused_grace: float = 1.0,
+    auth_key: str | bytes | None = None,
 ) -> dict[int, AgentMetadata]:
     """Fetch and validate the metadata of ``ranks`` from the side channel at ``host:port``.
 
@@ -64,23 +66,42 @@ def fetch_metadata(
 
     ``compat_hash=None`` turns the compatibility check off (expert option: the
     caller then vouches that model, dtypes, layout and backend match).
+
+    With ``auth_key`` (the same secret as the server's) every attempt is signed
+    with a fresh nonce and the send time, and a reply counts only if it is
+    authenticated with the same key: a server with another key, or none,
+    raises :class:`AuthenticationFailed`.
     ``context`` lets a caller reuse a ZMQ context (faster); by default a
     private one is created and terminated.
     """
     want = _check_args(host, port, ranks, timeout, retries, backoff, max_reply_bytes)
+    key = auth.normalize_key(auth_key)
     own_ctx = context is None
     ctx = zmq.Context(io_threads=1) if own_ctx else context
     endpoint = tcp_endpoint(host, port)
-    nonce = int.from_bytes(os.urandom(8), "little") >> 1
-    request = wire.encode(wire.MetadataRequest(
-        protocol_version=wire.PROTOCOL_VERSION, ranks=want, engine_id=engine_id, nonce=nonce))
+    # keyless: one request (one nonce) for every attempt, as always; keyed: a fresh signed
+    # request per attempt, since a keyed server answers each nonce once
+    plain = _new_request(want, engine_id, None) if key is None else None
     try:
-        reply = _request(ctx, endpoint, request, timeout, retries, backoff, max_reply_bytes,
-                         want, engine_id, refused_grace)
+        reply, request = _request(ctx, endpoint, lambda: plain or _new_request(want, engine_id, key),
+                                  timeout, retries, backoff, max_reply_bytes, want, engine_id,
+                                  refused_grace)
     finally:
         if own_ctx:
             ctx.term()
-    return _validate(reply, endpoint, want, engine_id, compat_hash, nonce)
+    return _validate(reply, endpoint, want, engine_id, compat_hash, request, key)
+
+
+def _new_request(want: list[int], engine_id: str | None, key: bytes | None) -> wire.MetadataRequest:
+    """A request with a fresh nonce, signed when there is a key."""
+    nonce = int.from_bytes(os.urandom(8), "little") >> 1
+    if key is None:
+        return wire.MetadataRequest(protocol_version=wire.PROTOCOL_VERSION, ranks=want,
+                                    engine_id=engine_id, nonce=nonce)
+    sent = auth.now_ms()
+    mac = auth.request_mac(key, wire.PROTOCOL_VERSION, want, engine_id, nonce, sent)
+    return wire.MetadataRequest(protocol_version=wire.PROTOCOL_VERSION, ranks=want,
+                                engine_id=engine_id, nonce=nonce, sent_ms=sent, auth=mac)
 
 
 def _check_args(host: object, port: object, ranks: Sequence[int], timeout: float, retries: int,
@@ -148,9 +169,10 @@ def _await_reply(sock: zmq.Socket, mon: zmq.Socket, timeout: float, refused_grac
         mon.close(linger=0)
 
 
-def _request(ctx: zmq.Context, endpoint: str, request: bytes, timeout: float, retries: int,
+def _request(ctx: zmq.Context, endpoint: str, make_request, timeout: float, retries: int,
              backoff: float, max_reply_bytes: int, want: list[int],
-             engine_id: str | None, refused_grace: float) -> list[bytes]:
+             engine_id: str | None, refused_grace: float
+             ) -> tuple[list[bytes], wire.MetadataRequest]:
     who = f"engine {engine_id!r}" if engine_id else "the prefill engine"
     for attempt in range(retries + 1):
         if attempt:
@@ -178,14 +200,15 @@ def _request(ctx: zmq.Context, endpoint: str, request: bytes, timeout: float, re
                 mon.close(linger=0)
                 raise HandshakeError(f"cannot connect to {endpoint}: {exc}; check the host "
                                      f"name and port") from exc
+            request = make_request()
             try:
-                sock.send(request, zmq.NOBLOCK)  # queued until the connection is up
+                sock.send(wire.encode(request), zmq.NOBLOCK)  # queued until the connection is up
             except zmq.Again:
                 mon.close(linger=0)
                 continue
             reply = _await_reply(sock, mon, timeout, refused_grace, endpoint, who)
             if reply is not None:
-                return reply
+                return reply, request
         finally:
             try:
                 sock.disable_monitor()
@@ -200,7 +223,9 @@ def _request(ctx: zmq.Context, endpoint: str, request: bytes, timeout: float, re
 
 
 def _validate(frames: list[bytes], endpoint: str, want: list[int], engine_id: str | None,
-              compat_hash: str | None, nonce: int) -> dict[int, AgentMetadata]:
+              compat_hash: str | None, request: wire.MetadataRequest,
+              key: bytes | None) -> dict[int, AgentMetadata]:
+    nonce = request.nonce
     if len(frames) != 1:
         raise MalformedReply(f"reply from {endpoint} has {len(frames)} frames, expected 1; the "
                              f"peer is not a kvbridge side channel")
@@ -224,6 +249,8 @@ def _validate(frames: list[bytes], endpoint: str, want: list[int], engine_id: st
     if not isinstance(msg, wire.MetadataReply):
         raise MalformedReply(f"peer {endpoint} answered with a {type(msg).__name__}, expected a "
                              f"metadata-reply")
+    if key is not None:
+        _check_reply_auth(msg, request, key, endpoint)
     if msg.nonce != nonce:
         raise MalformedReply(f"reply from {endpoint} answers another request (nonce mismatch)")
     if compat_hash is not None and msg.compat_hash != compat_hash:
@@ -273,8 +300,24 @@ def _validate(frames: list[bytes], endpoint: str, want: list[int], engine_id: st
     return out
 
 
+def _check_reply_auth(msg: wire.MetadataReply, request: wire.MetadataRequest, key: bytes,
+                      endpoint: str) -> None:
+    if not msg.auth:
+        raise AuthenticationFailed(
+            f"peer {endpoint} answered without authentication: its side channel has no auth_key "
+            f"while this side has one; " + auth.HOW_TO_SET)
+    want = auth.reply_mac(key, request.auth, msg.protocol_version, msg.compat_hash, msg.engine_id,
+                          msg.ranks, msg.metadata, msg.nonce, msg.compat_info)
+    if not auth.macs_equal(want, msg.auth):
+        raise AuthenticationFailed(
+            f"the reply from {endpoint} is not authenticated with this side's key (another key, "
+            f"or altered on the way); " + auth.HOW_TO_SET)
+
+
 def _raise_error_reply(msg: wire.ErrorReply, endpoint: str) -> None:
     text = f"peer {endpoint} refused the request ({msg.code}): {msg.message}"
+    if msg.code in (wire.AUTH_REQUIRED, wire.AUTH_FAILED):
+        raise AuthenticationFailed(text)
     if msg.code == wire.UNKNOWN_RANK:
         raise UnknownRank(text + "; check the remote TP size and which ranks this host serves")
     if msg.code == wire.WRONG_ENGINE:

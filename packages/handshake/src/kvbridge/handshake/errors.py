@@ -39,5 +39,10 @@ class RequestRejected(HandshakeError):
     """The peer refused the request itself (bad request, too large, internal error)."""
 
 
+class AuthenticationFailed(HandshakeError):
+    """The two sides do not share the same ``auth_key``: the server refused this client's
+    request, or the reply is not authenticated with this client's key."""
+
+
 class InvalidMetadata(HandshakeError, ValueError):
     """Local metadata handed to the server is inconsistent; the message says which field."""

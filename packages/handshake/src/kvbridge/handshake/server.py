@@ -10,7 +10,7 @@ from collections.abc import Mapping
 import msgspec
 import zmq
 
-from . import wire
+from . import auth, wire
 from .errors import HandshakeError, InvalidMetadata
 from .metadata import AgentMetadata, check_metadata, decode_metadata, encode_metadata
 
@@ -23,6 +23,12 @@ _ECHO = 120
 #: poll interval of the serving thread; close() also wakes it at once
 _POLL_MS = 500
 _JOIN_TIMEOUT_S = 10.0
+#: a new connection must complete the ZMTP greeting within this (ms)
+_HANDSHAKE_IVL_MS = 5000
+#: messages one connection may have queued at the server (a REQ client sends one at a time)
+_RCV_HWM = 8
+#: pending connections the kernel keeps for the server (capped by net.core.somaxconn)
+_BACKLOG = 4096
 
 
 class ServerStats(msgspec.Struct, frozen=True, kw_only=True):
@@ -81,6 +87,8 @@ class MetadataServer:
         port: int = 0,
         max_frame_bytes: int = 1 << 16,
         compat_info: Mapping[str, str] | None = None,
+        auth_key: str | bytes | None = None,
+        replay_window_s: float = auth.DEFAULT_REPLAY_WINDOW_S,
     ) -> None:
         if not isinstance(compat_hash, str) or not compat_hash:
             raise InvalidMetadata("compat_hash must be a non-empty string (see compatibility_hash)")
@@ -88,6 +96,11 @@ class MetadataServer:
             raise InvalidMetadata(f"max_frame_bytes must be an integer >= 256, got {max_frame_bytes!r}")
         if not isinstance(port, int) or not 0 <= port <= 65535:
             raise InvalidMetadata(f"port must be in 0..65535 (0 picks a free one), got {port!r}")
+        try:
+            self._key = auth.normalize_key(auth_key)
+            self._replay = auth.ReplayGuard(replay_window_s)
+        except ValueError as exc:
+            raise InvalidMetadata(str(exc)) from None
         self._compat_hash = compat_hash
         self._compat_info = {str(k): str(v) for k, v in (compat_info or {}).items()}
         self._max_frame_bytes = max_frame_bytes
@@ -111,6 +124,20 @@ class MetadataServer:
             router = self._ctx.socket(zmq.ROUTER)
             router.setsockopt(zmq.LINGER, 0)
             router.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
+            # bounded work per stranger: a connection that has not finished the ZMTP greeting
+            # in a few seconds is dropped (libzmq's default keeps it, and its fd, for 30 s), and
+            # each connection may queue only a few messages here (the rest waits in its TCP
+            # window), so a flood costs at most _RCV_HWM * max_frame_bytes per connection
+            router.setsockopt(zmq.HANDSHAKE_IVL, _HANDSHAKE_IVL_MS)
+            router.setsockopt(zmq.RCVHWM, _RCV_HWM)
+            # libzmq's listen backlog is 100: a connection flood overflows it and a valid
+            # client's SYN is dropped, to be retried by TCP one second later
+            router.setsockopt(zmq.BACKLOG, _BACKLOG)
+            # a ZAP domain makes libzmq refuse ZMTP 1.0/2.0 peers at the greeting: random bytes
+            # otherwise pass as an unversioned ZMTP 1.0 peer, a path on which libzmq 4.3.5
+            # aborted the process under a connection flood here (zmtp_engine.cpp:422, EAGAIN).
+            # Without a ZAP handler bound, NULL-mechanism peers (every kvbridge client) pass.
+            router.setsockopt(zmq.ZAP_DOMAIN, b"kvbridge-side-channel")
             if ":" in host:
                 router.setsockopt(zmq.IPV6, 1)
             try:
@@ -175,6 +202,11 @@ class MetadataServer:
     def ranks(self) -> list[int]:
         """The ranks served, ascending."""
         return sorted(self._metadata)
+
+    @property
+    def authenticated(self) -> bool:
+        """Whether this server requires authenticated requests (it has an ``auth_key``)."""
+        return self._key is not None
 
     @property
     def closed(self) -> bool:
@@ -348,6 +380,10 @@ class MetadataServer:
             return self._error(router, prefix, wire.BAD_REQUEST,
                                f"protocol_version must be >= 1, got {msg.protocol_version}",
                                nonce)
+        if self._key is not None:
+            refused = self._authenticate(msg)
+            if refused is not None:
+                return self._error(router, prefix, *refused, nonce)
         encoded = self._encoded
         engine_id = self.engine_id
         if msg.engine_id is not None and msg.engine_id != engine_id:
@@ -359,18 +395,51 @@ class MetadataServer:
             return self._error(router, prefix, wire.UNKNOWN_RANK,
                                f"ranks {_short(missing)} are not served here; this side channel "
                                f"serves ranks {sorted(encoded)} of engine {engine_id!r}", nonce)
+        bodies = [encoded[r] for r in msg.ranks]
+        mac = b""
+        if self._key is not None:
+            mac = auth.reply_mac(self._key, msg.auth, wire.PROTOCOL_VERSION, self._compat_hash,
+                                 engine_id, msg.ranks, bodies, nonce, self._compat_info)
         reply = wire.MetadataReply(
             protocol_version=wire.PROTOCOL_VERSION,
             compat_hash=self._compat_hash,
             engine_id=engine_id,
             ranks=list(msg.ranks),
-            metadata=[encoded[r] for r in msg.ranks],
+            metadata=bodies,
             nonce=nonce,
             compat_info=self._compat_info,
+            auth=mac,
         )
         if self._send(router, prefix, wire.encode(reply)):
             with self._lock:
                 self._served += 1
+
+    def _authenticate(self, msg: wire.MetadataRequest) -> tuple[str, str] | None:
+        """(code, message) refusing ``msg``, or None when it is authentic and fresh.
+
+        Checked in order of cost: present, within the time window, the MAC
+        (constant time), then the nonce (only authentic requests are remembered).
+        The messages name nothing of this engine.
+        """
+        key = self._key
+        if key is None:
+            return None
+        if not msg.auth:
+            return (wire.AUTH_REQUIRED, "this side channel only answers authenticated requests; "
+                    + auth.HOW_TO_SET)
+        now = auth.now_ms()
+        late = self._replay.time_problem(msg.sent_ms, now)
+        if late is not None:
+            return wire.AUTH_FAILED, late
+        want = auth.request_mac(key, msg.protocol_version, msg.ranks, msg.engine_id, msg.nonce,
+                                msg.sent_ms)
+        if not auth.macs_equal(want, msg.auth):
+            return (wire.AUTH_FAILED, "the request's authentication does not match this "
+                    "server's key; " + auth.HOW_TO_SET)
+        replayed = self._replay.admit(msg.nonce, now)
+        if replayed is not None:
+            return wire.AUTH_FAILED, replayed
+        return None
 
     def _error(self, router: zmq.Socket, prefix: list[bytes], code: str, message: str,
                nonce: int = 0) -> None:

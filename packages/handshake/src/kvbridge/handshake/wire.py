@@ -35,6 +35,10 @@ class MetadataRequest(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind
     ranks: Annotated[list[Rank], msgspec.Meta(min_length=1, max_length=MAX_RANKS_PER_REQUEST)]
     engine_id: str | None = None
     nonce: int = 0
+    #: authenticated requests only (see kvbridge.handshake.auth): send time (ms since the
+    #: epoch) and HMAC-SHA256 over the fields; empty from a client without a key
+    sent_ms: int = 0
+    auth: bytes = b""
 
 
 class MetadataReply(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind",
@@ -49,6 +53,8 @@ class MetadataReply(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind",
     nonce: int = 0
     #: what the hash was computed from (diagnostics for a mismatch), may be empty
     compat_info: dict[str, str] = msgspec.field(default_factory=dict)
+    #: from a keyed server: HMAC-SHA256 over the reply, bound to the request's MAC
+    auth: bytes = b""
 
 
 class ErrorReply(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind", tag="error"):
@@ -68,7 +74,12 @@ TOO_LARGE = "too-large"
 UNKNOWN_RANK = "unknown-rank"
 WRONG_ENGINE = "wrong-engine"
 INTERNAL = "internal"
-ERROR_CODES = (BAD_REQUEST, TOO_LARGE, UNKNOWN_RANK, WRONG_ENGINE, INTERNAL)
+#: a keyed server got a request without authentication
+AUTH_REQUIRED = "auth-required"
+#: wrong MAC (another key), send time outside the replay window, or a replayed nonce
+AUTH_FAILED = "auth-failed"
+ERROR_CODES = (BAD_REQUEST, TOO_LARGE, UNKNOWN_RANK, WRONG_ENGINE, INTERNAL, AUTH_REQUIRED,
+               AUTH_FAILED)
 
 
 class Envelope(msgspec.Struct, kw_only=True):

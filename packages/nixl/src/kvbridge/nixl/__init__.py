@@ -26,7 +26,14 @@ from .config import (
 )
 from .decode import DecodeEngine
 from .ledger import DecodeTracker, Failed, FailureKind, PrefillLedger, Released
-from .messages import Kind, Notification, encode_notification, new_token, parse_notification
+from .messages import (
+    Kind,
+    Notification,
+    encode_notification,
+    new_token,
+    notification_key,
+    parse_notification,
+)
 from .prefill import PrefillEngine
 from .stats import Stats
 
@@ -34,6 +41,6 @@ __all__ = [
     "AgentConfig", "DecodeEngine", "DecodeEvents", "DecodeTracker", "EngineConfig",
     "Failed", "FailureKind", "HandshakeFailed", "Kind", "NixlAgent", "NixlError", "Notification",
     "PrefillEngine", "PrefillLedger", "PreparedList", "Released", "Stats", "Telemetry",
-    "Transfer", "TransferParams", "TransferRecord", "encode_notification", "engine_compat_hash", "new_token",
+    "Transfer", "TransferParams", "TransferRecord", "encode_notification", "engine_compat_hash", "new_token", "notification_key",
     "parse_notification",
 ]

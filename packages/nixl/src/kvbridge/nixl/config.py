@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from kvbridge.handshake import HandshakeError, compatibility_hash
+from kvbridge.handshake import HandshakeError, compatibility_hash, normalize_key
 from kvbridge.topology import EngineSpec
 
 from .agent import AgentConfig
@@ -47,6 +47,10 @@ class EngineConfig:
     #: at most ``max_records`` are kept between drains
     record_transfers: bool = False
     max_records: int = 4096
+    #: shared secret of the side channel (the same on both engines; None: no authentication).
+    #: With it, handshakes are signed and checked both ways, and notifications carry a proof
+    #: (see docs/handshake.md). 16..4096 bytes; a text key is UTF-8 encoded
+    auth_key: str | bytes | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -54,6 +58,7 @@ class EngineConfig:
         for name in ("lease_s", "renew_interval_s", "handshake_timeout_s", "transfer_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive seconds")
+        normalize_key(self.auth_key)  # raises ValueError with advice
         if not 0 <= self.progress_interval_s <= 1:
             raise ValueError(f"progress_interval_s must be within [0, 1] seconds, got "
                              f"{self.progress_interval_s!r}")

@@ -93,6 +93,9 @@ class PrefillLedger:
         if n is None:
             self.stats.notifications_malformed += 1
             return "malformed"
+        if not n.authentic:  # checked first: nothing unproven touches a held request
+            self.stats.notifications_unauthenticated += 1
+            return "unauthenticated"
         req = self._held.get(n.request_id)
         if req is None:
             self.stats.notifications_unknown += 1

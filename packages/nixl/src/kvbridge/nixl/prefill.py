@@ -84,8 +84,9 @@ class PrefillEngine(RankEngine):
         now = time.monotonic()
         for sender, msgs in self.agent.notifications().items():
             for raw in msgs:
-                outcome = self.ledger.on_notification(parse_notification(raw), now)
-                if outcome in ("unknown", "bad-token", "malformed", "bad-decode-tp", "unassigned"):
+                outcome = self.ledger.on_notification(parse_notification(raw, self.notif_key), now)
+                if outcome in ("unknown", "bad-token", "malformed", "bad-decode-tp", "unassigned",
+                               "unauthenticated"):
                     log.debug("ignored notification from %s: %s", sender, outcome)
         for rid in self.ledger.expire(now):
             log.warning("request %s: lease of %.1f s lapsed before every decode rank read it; "

@@ -116,7 +116,8 @@ class PullReads(DecodeMode):
         remote_blocks = min(peer.infos[q].num_blocks for q in rp.source_ranks)
         rids = block_id_array(ld.params.block_ids, remote_blocks, "prefill")
         skip = ld.computed_tokens // e.spec.block_size
-        msg = encode_notification(Notification(Kind.DONE, ld.remote_id, e.spec.tp_size, e.rank, ld.token))
+        msg = encode_notification(Notification(Kind.DONE, ld.remote_id, e.spec.tp_size, e.rank, ld.token),
+                                  e.notif_key)
         for q in rp.source_ranks:
             li, ri = peer.descs[q].indices(ld.local_ids, rids, local_skip_blocks=skip)
             if li.size == 0:  # full prefix hit (or nothing to read): notify every rank instead
@@ -126,7 +127,7 @@ class PullReads(DecodeMode):
 
     def _notify(self, peer: Peer, q: int, remote_id: str, token: str, kind: Kind) -> None:
         e = self.engine
-        msg = encode_notification(Notification(kind, remote_id, e.spec.tp_size, e.rank, token))
+        msg = encode_notification(Notification(kind, remote_id, e.spec.tp_size, e.rank, token), e.notif_key)
         e.agent.notify(peer.agents[q], msg)
         e.stats.notifications_sent += 1
 

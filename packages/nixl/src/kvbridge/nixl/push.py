@@ -63,10 +63,13 @@ class PushReceiver(DecodeMode):
         e = self.engine
         for _sender, msgs in e.agent.notifications().items():
             for raw in msgs:
-                n = parse_notification(raw)
+                n = parse_notification(raw, e.notif_key)
                 e.stats.notifications_received += 1
                 if n is None or n.kind is not Kind.WRITTEN:
                     e.stats.notifications_malformed += 1
+                    continue
+                if not n.authentic:
+                    e.stats.notifications_unauthenticated += 1
                     continue
                 ld = e._loads.get(n.request_id)
                 if ld is None:
@@ -131,7 +134,7 @@ class PushWrites(PrefillMode):
             skip = p.target.computed_tokens // peer.spec.block_size
             target_ids = np.asarray(p.target.block_ids, dtype=np.int64)
             msg = encode_notification(Notification(Kind.WRITTEN, p.request_id, e.spec.tp_size, e.rank,
-                                                   p.target.token))
+                                                   p.target.token), e.notif_key)
             for r in plan.prefill_ranks[e.rank].read_by:
                 ti, mi = peer.descs[r].indices(target_ids, p.block_ids, local_skip_blocks=skip)
                 if mi.size == 0:

@@ -26,6 +26,7 @@ from kvbridge.handshake import (
     MetadataServer,
     fetch_metadata,
     new_incarnation,
+    normalize_key,
 )
 from kvbridge.memory import (
     CacheRegions,
@@ -45,6 +46,7 @@ from .config import (
     engine_compat_hash,
     provisional_spec,
 )
+from .messages import notification_key
 from .peers import Peer, PeerTable
 from .stats import Stats
 from .worker import Worker
@@ -98,6 +100,9 @@ class RankEngine:
         self.config = config or EngineConfig()
         self.incarnation = incarnation or new_incarnation()
         self.compat_hash = engine_compat_hash(spec, self.config)
+        #: the normalized shared secret, and the subkey that signs notifications (None: no auth)
+        self._auth_key = normalize_key(self.config.auth_key)
+        self.notif_key = None if self._auth_key is None else notification_key(self._auth_key)
         self.stats = Stats()
         self._records: deque[TransferRecord] | None = (
             deque(maxlen=self.config.max_records) if self.config.record_transfers else None)
@@ -157,11 +162,14 @@ class RankEngine:
         """Publish this rank's metadata on ``server`` (shared by an engine's local ranks) or a new one."""
         if server is None:
             server = MetadataServer({self.rank: self.metadata()}, compat_hash=self.compat_hash,
-                                    host=host, port=port)
+                                    host=host, port=port, auth_key=self._auth_key)
             self._own_server = True
         else:
             if server.compat_hash != self.compat_hash:
                 raise ValueError("the metadata server was created with another compatibility hash")
+            if server.authenticated != (self._auth_key is not None):
+                raise ValueError("the metadata server and this engine disagree on authentication: "
+                                 "create the server with the engine's auth_key")
             server.set_metadata(self.rank, self.metadata())
         self.server = server
         return server
@@ -215,7 +223,8 @@ class RankEngine:
         ranks, _ = self._peer_ranks(guess)
         infos = fetch_metadata(peer.host, peer.port, ranks, engine_id=peer.engine_id,
                                compat_hash=self.compat_hash if self.config.enforce_compat else None,
-                               timeout=timeout / 2, retries=1, context=self._zmq)
+                               timeout=timeout / 2, retries=1, context=self._zmq,
+                               auth_key=self._auth_key)
         first = infos[ranks[0]]
         if first.tp_size != peer.tp_size:
             raise HandshakeFailed(

@@ -28,6 +28,7 @@ class Stats:
     notifications_malformed: int = 0
     notifications_duplicate: int = 0
     notifications_unassigned: int = 0  # DONE from a decode rank the plan does not assign to this rank
+    notifications_unauthenticated: int = 0  # with an auth_key: no proof, or a wrong one
     leases_renewed: int = 0
     leases_expired: int = 0
     requests_released: int = 0

@@ -4,14 +4,15 @@ Every setting has a key in ``kv_connector_extra_config``, an environment
 variable used when the key is absent, and a default. Unknown keys are an error
 that lists the valid ones: a typo must not silently fall back to a default.
 
-This module imports nothing from vLLM, torch or NIXL.
+This module imports nothing from vLLM, torch or NIXL (nor ZMQ: kvbridge.handshake, for the
+key check, is imported only when an ``auth_key`` is given).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 __all__ = [
@@ -51,6 +52,8 @@ class ConnectorConfig:
     enforce_compat: bool = True
     side_channel_host: str = "127.0.0.1"
     side_channel_port: int = 5600
+    #: shared secret of the side channel (the same on prefill and decode), never printed
+    auth_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.heartbeat_seconds is None:
@@ -121,6 +124,9 @@ CONFIG_KEYS: tuple[ConfigKey, ...] = (
               "address the prefill side channel listens on and advertises"),
     ConfigKey("side_channel_port", ("KVBRIDGE_SIDE_CHANNEL_PORT", "VLLM_NIXL_SIDE_CHANNEL_PORT"),
               "side-channel port (plus the data-parallel index)"),
+    ConfigKey("auth_key", ("KVBRIDGE_AUTH_KEY",),
+              "shared secret (16+ bytes, the same on prefill and decode engines) that "
+              "authenticates handshakes and notifications; unset: no authentication"),
 )
 
 _BY_KEY = {k.key: k for k in CONFIG_KEYS}
@@ -208,6 +214,19 @@ def _backends(key: str, value: Any, env_var: str | None) -> tuple[str, ...]:
     return names
 
 
+def _auth_key(key: str, value: Any, env_var: str | None) -> str:
+    if not isinstance(value, str):
+        raise ConfigError(f"{_where(key, env_var)} must be a string (the shared secret), got a "
+                          f"{type(value).__name__}")
+    from kvbridge.handshake import normalize_key  # imports ZMQ: only when a key is set
+
+    try:
+        normalize_key(value)
+    except ValueError as exc:  # the message never contains the key
+        raise ConfigError(f"{_where(key, env_var)}: {exc}") from None
+    return value
+
+
 def _host(key: str, value: Any, env_var: str | None) -> str:
     if not isinstance(value, str) or not value.strip() or any(c.isspace() for c in value.strip()):
         raise ConfigError(f"{_where(key, env_var)} must be a host name or address, got {value!r}")
@@ -227,6 +246,7 @@ _PARSERS: dict[str, Callable[[str, Any, str | None], Any]] = {
     "huge_pages": _bool,
     "side_channel_host": _host,
     "side_channel_port": lambda k, v, e: _int(k, v, e, lo=1, hi=65535),
+    "auth_key": _auth_key,
 }
 
 

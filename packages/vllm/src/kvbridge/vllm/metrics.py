@@ -93,7 +93,7 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
                                       "Prefill requests whose blocks were freed at lease expiry."),
             "ignored_notifications": counter("vllm:kvbridge_num_ignored_notifications",
                                              "Notifications ignored: unknown request, wrong "
-                                             "token or malformed."),
+                                             "token, malformed or without a valid proof."),
             "requests_done": counter("vllm:kvbridge_num_requests_done",
                                      "Decode-side requests whose KV arrived (per worker)."),
         }

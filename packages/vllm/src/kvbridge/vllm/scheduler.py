@@ -36,6 +36,7 @@ class SchedulerSide:
         self.engine_id = engine_id
         self.host = config.side_channel_host
         self.port = port
+        self._auth_key = config.auth_key
         self.server: MetadataServer | None = None
         self.state = SchedulerState(
             engine_id=engine_id, block_size=block_size, tp_size=tp_size,
@@ -62,7 +63,7 @@ class SchedulerSide:
         # incarnation, and serves the bytes as they are
         if self.server is None:
             self.server = MetadataServer(encoded, compat_hash=hashes.pop(), host=self.host,
-                                         port=self.port)
+                                         port=self.port, auth_key=self._auth_key)
         else:
             for rank, md in encoded.items():
                 self.server.set_metadata(rank, md)

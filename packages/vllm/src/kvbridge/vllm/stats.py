@@ -106,6 +106,6 @@ def stats_delta(now: Stats, before: Stats) -> dict[str, int]:
         "expired_leases": diff("leases_expired"),
         "released_requests": diff("requests_released"),
         "ignored_notifications": diff("notifications_unknown") + diff("notifications_bad_token")
-        + diff("notifications_malformed"),
+        + diff("notifications_malformed") + diff("notifications_unauthenticated"),
         "renewed_leases": diff("leases_renewed"),
     }
