@@ -55,19 +55,29 @@ def soak(session: nox.Session) -> None:
     _uv_run(session, "python", str(ROOT / "tests" / "soak" / "soak.py"), *session.posargs)
 
 
+def _install_alone(session: nox.Session, package: str, *, third_party_ok: bool,
+                   forbidden_modules: list[str]) -> None:
+    """Install one kvbridge package into the session's fresh environment; fail when another
+    kvbridge distribution came along (or any third-party one, unless ``third_party_ok``), or
+    when a module of ``forbidden_modules`` is importable."""
+    session.install(str(ROOT / "packages" / package))
+    keep = [f"kvbridge-{package}", "pip", "setuptools", "wheel"]
+    code = (
+        "import importlib.metadata as md, importlib.util as u, sys\n"
+        "dists = sorted(d.metadata['Name'].lower() for d in md.distributions())\n"
+        f"extra = [d for d in dists if d not in {keep!r} "
+        f"and (d.startswith('kvbridge') or not {third_party_ok!r})]\n"
+        f"found = [m for m in {forbidden_modules!r} if u.find_spec(m) is not None]\n"
+        "print('installed:', dists)\n"
+        "sys.exit(f'came along: {extra} {found}' if extra or found else 0)\n"
+    )
+    session.run("python", "-c", code)
+
+
 @nox.session
 def isolation(session: nox.Session) -> None:
     """kvbridge-topology alone in a fresh environment: no third-party package may come with it."""
-    session.install(str(ROOT / "packages" / "topology"))
-    code = (
-        "import importlib.metadata as md, importlib.util as u, sys\n"
-        "dists = sorted(d.metadata['Name'] for d in md.distributions())\n"
-        "extra = [d for d in dists if d.lower() not in ('kvbridge-topology', 'pip', 'setuptools', 'wheel')]\n"
-        f"found = [m for m in {THIRD_PARTY!r} if u.find_spec(m) is not None]\n"
-        "print('installed:', dists)\n"
-        "sys.exit(f'third-party distributions came along: {extra} {found}' if extra or found else 0)\n"
-    )
-    session.run("python", "-c", code)
+    _install_alone(session, "topology", third_party_ok=False, forbidden_modules=THIRD_PARTY)
     session.run("kvbridge", "plan", "--prefill-tp", "8", "--decode-tp", "2", "--kv-heads", "8")
     session.run("kvbridge", "plan", "--prefill-tp", "4", "--decode-tp", "1", "--kv-heads", "8",
                 "--mamba", "--json", silent=True)
@@ -75,17 +85,10 @@ def isolation(session: nox.Session) -> None:
 
 @nox.session
 def isolation_router(session: nox.Session) -> None:
-    """kvbridge-router alone in a fresh environment: no other kvbridge package, no torch, no vLLM."""
-    session.install(str(ROOT / "packages" / "router"))
-    code = (
-        "import importlib.metadata as md, importlib.util as u, sys\n"
-        "dists = sorted(d.metadata['Name'].lower() for d in md.distributions())\n"
-        "kvb = [d for d in dists if d.startswith('kvbridge') and d != 'kvbridge-router']\n"
-        "heavy = [m for m in ('torch', 'vllm', 'nixl', 'numpy', 'zmq', 'msgspec') if u.find_spec(m)]\n"
-        "print('installed:', dists)\n"
-        "sys.exit(f'came along: {kvb} {heavy}' if kvb or heavy else 0)\n"
-    )
-    session.run("python", "-c", code)
+    """kvbridge-router alone in a fresh environment: no other kvbridge package, no torch, no vLLM
+    (its HTTP libraries may come)."""
+    _install_alone(session, "router", third_party_ok=True,
+                   forbidden_modules=["torch", "vllm", "nixl", "numpy", "zmq", "msgspec"])
     session.run("python", "-m", "kvbridge.router", "--prefill", "http://127.0.0.1:8100",
                 "--decode", "http://127.0.0.1:8200", "--check", silent=True)
     session.run("kvbridge-router", "--help", silent=True)
