@@ -636,3 +636,33 @@ def test_host_caches_go_onto_huge_pages_before_registration():
         assert off.huge_pages is None
     finally:
         off.close()
+
+
+def test_a_renewal_ordered_with_the_load_sends_no_late_renew(pair):
+    """vLLM orders a queued request's renewal and its load in the same step: the load
+    renews its own lease, so no RENEW may reach the prefill after the DONE (where it would
+    be an unknown request)."""
+    params = pair.hold("a", [1], seed=7)
+    pair.dec.load("a", params, [2])
+    pair.dec.renew(params)  # same step, after the load
+    assert pair.dec.mode._renewals == {}  # nothing queued to send after the DONE
+    done, failed, released = pair.run(lambda d, f, r: d and len(r) == 2)
+    assert done == ["a"] and not failed
+    time.sleep(0.2)
+    pair.dec.poll()
+    for e in pair.pre:
+        e.poll()
+        assert e.stats.notifications_unknown == 0
+    # and a renewal that was queued before the load is dropped when the load starts
+    params = pair.hold("b", [3], seed=8)
+    pair.dec.renew(params)
+    assert len(pair.dec.mode._renewals) == 1
+    pair.dec.load("b", params, [4])
+    assert pair.dec.mode._renewals == {}
+    done, failed, released = pair.run(lambda d, f, r: d and len(r) == 2)
+    assert done == ["b"] and not failed
+    time.sleep(0.2)
+    pair.dec.poll()
+    for e in pair.pre:
+        e.poll()
+        assert e.stats.notifications_unknown == 0

@@ -49,6 +49,9 @@ class PullReads(DecodeMode):
                                    params.incarnation)
         now = time.monotonic()
         ld = Load(request_id, peer, params, local_ids, computed_tokens, params.token, last_renew=now)
+        # from now on the load renews its own lease (_renew_loading); a RENEW still queued
+        # could reach the prefill after this load's DONE and be counted there as unknown
+        self._renewals.pop((params.engine_id, params.request_id), None)
         e._add(ld, now, ready=peer.state == "ready")
         if peer.state == "ready" or e.config.post_in_background:
             self._post(ld)  # on the worker, after the handshake when one is running
@@ -59,7 +62,14 @@ class PullReads(DecodeMode):
 
     def renew(self, params: TransferParams) -> None:
         self.prepare(params)
+        if self._loading(params):
+            return  # a request being loaded renews its own lease
         self._renewals[(params.engine_id, params.request_id)] = params
+
+    def _loading(self, params: TransferParams) -> bool:
+        return any(ld.params is not None and ld.params.engine_id == params.engine_id
+                   and ld.params.request_id == params.request_id
+                   for ld in self.engine._loads.values())
 
     def release(self, params: TransferParams) -> None:
         e = self.engine
