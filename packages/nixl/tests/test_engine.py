@@ -638,6 +638,14 @@ def test_host_caches_go_onto_huge_pages_before_registration():
         off.close()
 
 
+def _assert_no_unknown_notifications(pair) -> None:
+    time.sleep(0.2)
+    pair.dec.poll()
+    for e in pair.pre:
+        e.poll()
+        assert e.stats.notifications_unknown == 0
+
+
 def test_a_renewal_ordered_with_the_load_sends_no_late_renew(pair):
     """vLLM orders a queued request's renewal and its load in the same step: the load
     renews its own lease, so no RENEW may reach the prefill after the DONE (where it would
@@ -648,11 +656,7 @@ def test_a_renewal_ordered_with_the_load_sends_no_late_renew(pair):
     assert pair.dec.mode._renewals == {}  # nothing queued to send after the DONE
     done, failed, released = pair.run(lambda d, f, r: d and len(r) == 2)
     assert done == ["a"] and not failed
-    time.sleep(0.2)
-    pair.dec.poll()
-    for e in pair.pre:
-        e.poll()
-        assert e.stats.notifications_unknown == 0
+    _assert_no_unknown_notifications(pair)
     # and a renewal that was queued before the load is dropped when the load starts
     params = pair.hold("b", [3], seed=8)
     pair.dec.renew(params)
@@ -661,8 +665,4 @@ def test_a_renewal_ordered_with_the_load_sends_no_late_renew(pair):
     assert pair.dec.mode._renewals == {}
     done, failed, released = pair.run(lambda d, f, r: d and len(r) == 2)
     assert done == ["b"] and not failed
-    time.sleep(0.2)
-    pair.dec.poll()
-    for e in pair.pre:
-        e.poll()
-        assert e.stats.notifications_unknown == 0
+    _assert_no_unknown_notifications(pair)
