@@ -104,6 +104,9 @@ class RankDescriptors:
     remote_pages: int
     #: whether the engines are hybrid attention + Mamba models
     has_mamba: bool = False
+    #: the layer of each local role (region-major (region, element) pair), from the local
+    #: geometry's ``element_roles``; empty when unknown (elements shared by several layers)
+    local_role_layers: tuple[int, ...] = ()
 
     # ----- the lists -----------------------------------------------------
     def local_descs(self, strided: bool = False) -> np.ndarray:
@@ -138,6 +141,7 @@ class RankDescriptors:
         *,
         group: str = "attention",
         local_skip_blocks: int | None = None,
+        layers: Sequence[int] | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
         """``(local_idx, remote_idx)`` int32 arrays selecting one request's descriptors.
 
@@ -150,14 +154,36 @@ class RankDescriptors:
         else 0. Units are paired in token order; units past the end of either
         list are left out. Mamba (``group="mamba"``): the state pages pair
         up from the end (``remote_ids[-len(local_ids):]``).
+
+        ``layers`` (attention only) keeps the descriptors of those model layers
+        alone, in the same order: a layer-by-layer transfer selects each layer's
+        share as soon as it is computed. None selects every layer.
         """
         if group == "attention":
-            return self._attn_indices(local_ids, remote_ids, local_skip_blocks)
+            return self._attn_indices(local_ids, remote_ids, local_skip_blocks, layers)
+        if layers is not None:
+            raise MemoryLayoutError("layers selects attention descriptors only; the Mamba state "
+                                    "moves with the whole request")
         if group == "mamba":
             return self._mamba_indices(local_ids, remote_ids)
         raise MemoryLayoutError(f"group must be 'attention' or 'mamba', got {group!r}")
 
-    def _attn_indices(self, local_ids, remote_ids, skip: int | None):
+    def _attn_keys(self, layers: Sequence[int] | None) -> np.ndarray:
+        """The attention keys (role x read) to select, all of them when ``layers`` is None."""
+        keys = np.arange(self.attn_keys, dtype=np.int64)
+        if layers is None:
+            return keys
+        if not self.local_role_layers:
+            raise MemoryLayoutError(
+                "this cache's elements hold several layers (or their roles are unknown), so a "
+                "transfer cannot select single layers; move the whole request instead"
+            )
+        role_layer = np.asarray(self.local_role_layers, dtype=np.int64)
+        reads = self.attn_keys // len(role_layer)
+        want = np.asarray(sorted({int(x) for x in layers}), dtype=np.int64)
+        return keys[np.isin(role_layer[keys // reads], want)]
+
+    def _attn_indices(self, local_ids, remote_ids, skip: int | None, layers: Sequence[int] | None):
         lids = block_id_array(local_ids, self.local_kernel_blocks // self.local_kernel_per_block,
                               "local")
         rids = block_id_array(remote_ids,
@@ -182,7 +208,9 @@ class RankDescriptors:
         if lu > 1 or ru > 1:  # unit-major so that consecutive blocks stay consecutive
             order = np.lexsort((g, runit, lunit))
             lblock, lunit, rblock, runit = lblock[order], lunit[order], rblock[order], runit[order]
-        keys = np.arange(self.attn_keys, dtype=np.int64)[:, None]
+        keys = self._attn_keys(layers)[:, None]
+        if keys.size == 0:
+            return np.empty(0, np.int32), np.empty(0, np.int32)
         lidx = (keys * lu + lunit[None, :]) * self.local_kernel_blocks + lblock[None, :]
         ridx = (keys * ru + runit[None, :]) * self.remote_kernel_blocks + rblock[None, :]
         return _i32(lidx.ravel()), _i32(ridx.ravel())
@@ -373,4 +401,5 @@ def rank_descriptors(
         local_pages=local.num_blocks,
         remote_pages=remote.num_blocks,
         has_mamba=plan.mamba is not None,
+        local_role_layers=tuple(layer for layer, _kind in local.element_roles),
     )

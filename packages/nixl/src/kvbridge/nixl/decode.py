@@ -15,7 +15,6 @@ from collections.abc import Sequence
 from kvbridge.memory import block_id_array, kernel_spec, post_process, rank_descriptors
 from kvbridge.topology import EngineSpec, HeadOrder, RankPlan, TransferPlan, plan_transfer
 
-from .agent import Transfer
 from .config import DecodeEvents, TransferParams
 from .ledger import DecodeTracker, FailureKind, State
 from .modes import DecodeMode, Load
@@ -38,7 +37,6 @@ class DecodeEngine(RankEngine):
         super().__init__(*args, **kwargs)
         self.tracker = DecodeTracker(self.stats)
         self._loads: dict[str, Load] = {}
-        self._orphans: list[Transfer] = []  # handles NIXL refused to release yet
         self._silent: set[str] = set()  # releases: notify-only loads nobody waits for
         self.mode: DecodeMode = _MODES[self.config.mode](self)
 
@@ -163,18 +161,8 @@ class DecodeEngine(RankEngine):
                          now + self.config.transfer_timeout_s, ready=ready)
         self._loads[ld.request_id] = ld
 
-    def _release_transfers(self) -> None:
-        """Retry releasing handles NIXL refused to release before."""
-        for x in list(self._orphans):
-            if self.agent.release_transfer(x):
-                self._orphans.remove(x)
-
     def _release_load(self, ld: Load) -> None:
-        for x in ld.transfers.values():
-            if not self.agent.release_transfer(x):
-                # still active in NIXL (e.g. a timed-out READ): retried on every poll until released
-                log.warning("NIXL refused to release an active transfer of %s; retrying later", ld.request_id)
-                self._orphans.append(x)
+        self._orphans_release(ld.transfers.values())
         ld.transfers.clear()
 
     def _fail(self, rid: str, kind: FailureKind, message: str) -> None:

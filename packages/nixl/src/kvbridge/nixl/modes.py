@@ -95,6 +95,15 @@ class PrefillMode:
     def push(self, request_id: str, block_ids: np.ndarray, target: TransferParams) -> None:
         raise ValueError("push() needs an engine configured with mode='push'")
 
+    def start(self, request_id: str, block_ids: np.ndarray, target: TransferParams) -> None:
+        raise ValueError("push_start() needs an engine configured with mode='push'")
+
+    def write_layers(self, request_id: str, layers: tuple[int, ...]) -> None:
+        raise ValueError("push_layers() needs an engine configured with mode='push'")
+
+    def finish(self, request_id: str) -> None:
+        raise ValueError("push_finish() needs an engine configured with mode='push'")
+
     def on_handshake(self, peer: Peer, err: str | None) -> None:
         """A handshake this rank started ended (caller thread)."""
 

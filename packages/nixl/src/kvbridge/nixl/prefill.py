@@ -78,9 +78,31 @@ class PrefillEngine(RankEngine):
         ids = block_id_array(block_ids, self.geometry.num_blocks, "prefill")
         self.mode.push(request_id, ids, target)
 
+    def push_start(self, request_id: str, block_ids: Sequence[int], target: TransferParams) -> None:
+        """Push mode, layer by layer: open the push of a request whose KV is still being
+        computed. Name each layer with :meth:`push_layers` as soon as it is in the cache
+        (its WRITEs are posted at once, on the engine's worker thread, so a forward pass
+        overlaps them), then call :meth:`push_finish`. The handshake with the decode engine
+        starts now if it is not known yet; layers named before it completes are written
+        once it does. Never blocks on the peer."""
+        ids = block_id_array(block_ids, self.geometry.num_blocks, "prefill")
+        self.mode.start(request_id, ids, target)
+
+    def push_layers(self, request_id: str, layers: Sequence[int]) -> None:
+        """Write these layers (indices in model order) of an open layered push now;
+        layers already written are skipped."""
+        self.mode.write_layers(request_id, tuple(layers))
+
+    def push_finish(self, request_id: str) -> None:
+        """No more layers will be named: the layers not written yet are written now, and
+        each decode rank is notified once every WRITE of the request completed. The
+        request is released (reported by :meth:`poll`) after that, or when it fails."""
+        self.mode.finish(request_id)
+
     def poll(self) -> list[Released]:
         """Count notifications, expire leases, advance pushes; returns requests whose blocks are free."""
         self._drain_events()
+        self._release_transfers()
         now = time.monotonic()
         for sender, msgs in self.agent.notifications().items():
             for raw in msgs:

@@ -178,7 +178,7 @@ class PullReads(DecodeMode):
         t = e.tracker.get(rid)
         if e._loads.get(rid) is not ld or ld.queued_for is not peer or t is None or t.state is not State.READY:
             # failed, timed out or moved to another peer meanwhile
-            e._orphans.extend(x for x in parts.values() if not e.agent.release_transfer(x))
+            e._orphans_release(parts.values())
             return
         e.stats.prep_us += int(prep_us)
         e.stats.posts += 1

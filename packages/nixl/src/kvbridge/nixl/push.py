@@ -31,9 +31,22 @@ log = logging.getLogger("kvbridge.nixl")
 
 
 class PushReceiver(DecodeMode):
-    """Decode side of push mode."""
+    """Decode side of push mode.
+
+    A WRITTEN notification may arrive before the caller named its request with
+    :meth:`expect` (in vLLM the prefill engine can finish writing before the
+    decode engine's next step): such notifications are kept, at most
+    :attr:`MAX_EARLY` of them for at most ``transfer_timeout_s``, and applied
+    when the request is expected. Those never claimed count as unknown.
+    """
 
     name = "push"
+    MAX_EARLY = 4096
+
+    def __init__(self, engine) -> None:
+        super().__init__(engine)
+        self._early: dict[str, list[tuple[float, Notification]]] = {}
+        self._early_count = 0
 
     def expect(self, request_id: str, prefill_engine_id: str, prefill_tp: int, token: str,
                local_ids: np.ndarray, prefill_block_size: int | None,
@@ -57,6 +70,31 @@ class PushReceiver(DecodeMode):
         e.tracker.posted(request_id, sources)
         if not sources:
             e._loads.pop(request_id, None)
+        for _t, n in self._early.pop(request_id, ()):
+            self._early_count -= 1
+            self._apply(n)
+
+    def _keep_early(self, n: Notification) -> None:
+        e = self.engine
+        self._expire_early(time.monotonic())
+        if self._early_count >= self.MAX_EARLY:
+            e.stats.notifications_unknown += 1
+            return
+        self._early.setdefault(n.request_id, []).append((time.monotonic(), n))
+        self._early_count += 1
+
+    def _expire_early(self, now: float) -> None:
+        """Drop kept notifications older than the transfer timeout (counted as unknown)."""
+        if not self._early:
+            return
+        horizon = now - self.engine.config.transfer_timeout_s
+        for rid in [r for r, kept in self._early.items() if kept[0][0] < horizon]:
+            gone = self._early.pop(rid)
+            self._early_count -= len(gone)
+            self.engine.stats.notifications_unknown += len(gone)
+
+    def keep_alive(self, now: float) -> None:
+        self._expire_early(now)
 
     def advance(self) -> None:
         """Count WRITTEN notifications: each completes one source rank of a request."""
@@ -71,31 +109,55 @@ class PushReceiver(DecodeMode):
                 if not n.authentic:
                     e.stats.notifications_unauthenticated += 1
                     continue
-                ld = e._loads.get(n.request_id)
-                if ld is None:
-                    e.stats.notifications_unknown += 1
+                if n.request_id not in e._loads:
+                    self._keep_early(n)
                     continue
-                if n.token != ld.token:
-                    e.stats.notifications_bad_token += 1
-                    continue
-                # in WRITTEN messages the rank/TP fields name the prefill rank and TP
-                if n.decode_tp != ld.peer.tp_size or n.decode_rank not in ld.expect_from:
-                    e.stats.notifications_malformed += 1
-                    continue
-                e._part_done(ld, n.decode_rank)
+                self._apply(n)
+
+    def _apply(self, n: Notification) -> None:
+        e = self.engine
+        ld = e._loads.get(n.request_id)
+        if ld is None:
+            e.stats.notifications_unknown += 1
+            return
+        if n.token != ld.token:
+            e.stats.notifications_bad_token += 1
+            return
+        # in WRITTEN messages the rank/TP fields name the prefill rank and TP
+        if n.decode_tp != ld.peer.tp_size or n.decode_rank not in ld.expect_from:
+            e.stats.notifications_malformed += 1
+            return
+        e._part_done(ld, n.decode_rank)
 
 
 @dataclass(eq=False)
 class Push:
-    """One request a prefill rank writes into a decode engine."""
+    """One request a prefill rank writes into a decode engine.
+
+    Whole-request pushes (``layered`` False) write every layer in one WRITE per
+    decode rank, each carrying that rank's WRITTEN notification. Layered pushes
+    write the layers the caller names as it computes them (several WRITEs per
+    decode rank, without notification) and notify each decode rank once every
+    WRITE of the request completed.
+    """
 
     request_id: str
     peer: Peer
     target: TransferParams
     block_ids: np.ndarray
-    transfers: dict[int, Transfer] = field(default_factory=dict)
+    layered: bool = False
+    transfers: dict[tuple[int, int], Transfer] = field(default_factory=dict)
     deadline: float = 0.0
     waiting: bool = True  # for the handshake with the decode engine
+    #: layer batches named before the handshake was done (posted once it is)
+    asked: list[tuple[int, ...]] = field(default_factory=list)
+    #: layers handed out for writing so far
+    sent: set[int] = field(default_factory=set)
+    #: no more layers will be named (whole-request pushes start closed)
+    closing: bool = True
+    #: background posting jobs not reported back yet
+    in_flight: int = 0
+    seq: int = 0
 
 
 class PushWrites(PrefillMode):
@@ -112,47 +174,144 @@ class PushWrites(PrefillMode):
     def held(self) -> int:
         return len(self._pushes)
 
+    # ----- entry points (caller thread) -------------------------------------------
     def push(self, request_id: str, block_ids: np.ndarray, target: TransferParams) -> None:
+        self._start(request_id, block_ids, target, layered=False)
+
+    def start(self, request_id: str, block_ids: np.ndarray, target: TransferParams) -> None:
+        self._start(request_id, block_ids, target, layered=True)
+
+    def write_layers(self, request_id: str, layers: tuple[int, ...]) -> None:
+        p = self._open(request_id)
+        if p.closing:
+            raise ValueError(f"push of {request_id!r} is finished: no more layers can be written")
+        new = tuple(sorted({int(x) for x in layers} - p.sent))
+        bad = [x for x in new if not 0 <= x < self.engine.spec.num_layers]
+        if bad:
+            raise ValueError(f"layers {bad} are outside this model's {self.engine.spec.num_layers} layers")
+        if not new:
+            return
+        p.sent.update(new)
+        if p.waiting:
+            p.asked.append(new)
+        else:
+            self._dispatch(p, new)
+
+    def finish(self, request_id: str) -> None:
+        p = self._open(request_id)
+        if p.closing:
+            return
+        p.closing = True
+        rest = tuple(x for x in range(self.engine.spec.num_layers) if x not in p.sent)
+        p.sent.update(rest)
+        if rest:
+            if p.waiting:
+                p.asked.append(rest)
+            else:
+                self._dispatch(p, rest)
+
+    def _open(self, request_id: str) -> Push:
+        p = self._pushes.get(request_id)
+        if p is None or not p.layered:
+            raise ValueError(f"no layered push of request {request_id!r} is open on this rank "
+                             "(start it with push_start(); it may have failed or timed out)")
+        return p
+
+    def _start(self, request_id: str, block_ids: np.ndarray, target: TransferParams, *,
+               layered: bool) -> None:
         e = self.engine
+        if request_id in self._pushes:
+            raise ValueError(f"request {request_id!r} is already being pushed by this rank")
         peer = e.peers.for_request(target.engine_id, target.host, target.port, target.tp_size, "")
-        p = Push(request_id, peer, target, block_ids, deadline=time.monotonic() + e.config.transfer_timeout_s)
+        p = Push(request_id, peer, target, block_ids, layered=layered, closing=not layered,
+                 deadline=time.monotonic() + e.config.transfer_timeout_s)
         self._pushes[request_id] = p
         if peer.state == "ready":
-            self._post(p)
+            self._ready(p)
 
     def on_handshake(self, peer: Peer, err: str | None) -> None:
         for p in [p for p in self._pushes.values() if p.waiting and p.peer is peer]:
             if err is None:
-                self._post(p)
+                self._ready(p)
             else:
                 self._finish(p, f"handshake failed: {err}", FailureKind.HANDSHAKE)
 
-    def _post(self, p: Push) -> None:
-        e, peer, plan = self.engine, p.peer, p.peer.plan
+    def _ready(self, p: Push) -> None:
+        """The decode engine is known: write what was asked for meanwhile."""
         p.waiting = False
+        if not p.layered:
+            self._dispatch(p, None)
+            return
+        asked, p.asked = p.asked, []
+        for layers in asked:
+            self._dispatch(p, layers)
+
+    # ----- posting (worker thread with post_in_background, else here) ----------------
+    def _dispatch(self, p: Push, layers: tuple[int, ...] | None) -> None:
+        e, peer = self.engine, p.peer
+        p.in_flight += 1
+        if e.config.post_in_background:
+            e._worker.submit(lambda: e._events.put(self._post_job(p, peer, layers)))
+        else:
+            self.on_event(self._post_job(p, peer, layers))
+
+    def _post_job(self, p: Push, peer: Peer, layers: tuple[int, ...] | None) -> tuple:
+        """Build and post the WRITEs of ``layers`` (None: the whole request, with notifications);
+        returns the event that reports them."""
+        e, plan = self.engine, peer.plan
+        parts: dict[int, Transfer] = {}
+        err = None
         try:
+            if not (peer.usable and e.peers.is_current(peer)):
+                raise ValueError(f"engine {peer.engine_id!r} was dropped before the WRITE was posted")
             skip = p.target.computed_tokens // peer.spec.block_size
             target_ids = np.asarray(p.target.block_ids, dtype=np.int64)
-            msg = encode_notification(Notification(Kind.WRITTEN, p.request_id, e.spec.tp_size, e.rank,
-                                                   p.target.token), e.notif_key)
+            msg = self._written(p) if layers is None else b""
             for r in plan.prefill_ranks[e.rank].read_by:
-                ti, mi = peer.descs[r].indices(target_ids, p.block_ids, local_skip_blocks=skip)
+                ti, mi = peer.descs[r].indices(target_ids, p.block_ids, local_skip_blocks=skip,
+                                               layers=layers)
                 if mi.size == 0:
-                    e.agent.notify(peer.agents[r], msg)
+                    if layers is None:
+                        e.agent.notify(peer.agents[r], msg)
                     continue
                 x = e.agent.make_transfer("WRITE", peer.local_lists[r], mi, peer.remote_lists[r], ti, msg)
-                p.transfers[r] = x
+                parts[r] = x
                 if e.agent.post(x) == "ERR":
                     raise NixlError(f"posting the WRITE to engine {peer.engine_id!r} rank {r} failed")
-            if not p.transfers:
-                self._finish(p, None)
-        except (NixlError, ValueError) as exc:
-            self._finish(p, str(exc), FailureKind.POST)
+        except (NixlError, ValueError, KeyError) as exc:
+            err = str(exc) or type(exc).__name__
+        except Exception as exc:  # the worker must survive anything
+            err = f"{type(exc).__name__}: {exc}"
+        return ("pushed", p, parts, err)
+
+    def _written(self, p: Push) -> bytes:
+        e = self.engine
+        return encode_notification(Notification(Kind.WRITTEN, p.request_id, e.spec.tp_size, e.rank,
+                                                p.target.token), e.notif_key)
+
+    def on_event(self, event: tuple) -> None:
+        _, p, parts, err = event
+        p.in_flight -= 1
+        if self._pushes.get(p.request_id) is not p:  # failed or timed out meanwhile
+            self.engine._orphans_release(parts.values())
+            return
+        for r, x in parts.items():
+            p.seq += 1
+            p.transfers[(r, p.seq)] = x
+        if err is not None:
+            self._finish(p, err, FailureKind.POST)
+
+    def _notify_all(self, p: Push) -> None:
+        """Layered push complete: tell every decode rank this rank fed that it wrote."""
+        e = self.engine
+        msg = self._written(p)
+        for r in p.peer.plan.prefill_ranks[e.rank].read_by:
+            e.agent.notify(p.peer.agents[r], msg)
+            e.stats.notifications_sent += 1
 
     def _finish(self, p: Push, error: str | None, kind: FailureKind | None = None) -> None:
         e = self.engine
-        for x in p.transfers.values():
-            e.agent.release_transfer(x)
+        e._orphans_release(p.transfers.values())
         p.transfers.clear()
         self._pushes.pop(p.request_id, None)
         if error is None:
@@ -174,9 +333,15 @@ class PushWrites(PrefillMode):
                 continue
             _, bad = self.engine._sweep(p.transfers, p.peer.engine_id)
             if bad is not None:
-                self._finish(p, f"WRITE to rank {bad} ended in error", FailureKind.TRANSFER)
+                self._finish(p, f"WRITE to rank {bad[0]} ended in error", FailureKind.TRANSFER)
                 broken.append(p.peer)
-            elif not p.transfers:
+            elif p.closing and not p.transfers and not p.in_flight and not p.asked:
+                if p.layered:
+                    try:
+                        self._notify_all(p)
+                    except NixlError as exc:
+                        self._finish(p, str(exc), FailureKind.TRANSFER)
+                        continue
                 self._finish(p, None)
             elif now >= p.deadline:
                 self._finish(p, "WRITE timed out", FailureKind.TIMEOUT)

@@ -128,6 +128,7 @@ class RankEngine:
         self._events: queue.Queue[tuple] = queue.Queue()
         self._worker = Worker(self.agent, f"kvbridge-handshake-{rank}", self.config.progress_interval_s)
         self.peers = PeerTable(self.agent, self.stats, self._start_handshake)
+        self._orphans: list[Transfer] = []  # handles NIXL refused to release yet
         self._closed = False
 
     def take_records(self) -> list[TransferRecord]:
@@ -321,6 +322,20 @@ class RankEngine:
             del transfers[rank]
             done.append(rank)
         return done, None
+
+    def _orphans_release(self, transfers) -> None:
+        """Release transfer handles; those NIXL refuses (still active, e.g. timed out) are
+        retried by :meth:`_release_transfers` on every poll until released."""
+        for x in list(transfers):
+            if not self.agent.release_transfer(x):
+                log.warning("NIXL refused to release an active %s to %s; retrying later", x.op, x.peer)
+                self._orphans.append(x)
+
+    def _release_transfers(self) -> None:
+        """Retry releasing handles NIXL refused to release before."""
+        for x in list(self._orphans):
+            if self.agent.release_transfer(x):
+                self._orphans.remove(x)
 
     def resource_counts(self) -> dict[str, int]:
         """The agent's live resources (:meth:`NixlAgent.counts`) and the number of known peers."""

@@ -12,6 +12,7 @@ rows (HND), or per token each head's K then V (NHD).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -139,17 +140,21 @@ class SyntheticCache:
                 out[(role, b)] = self._element(kv, layer, kind, tok0, min(bs, num_tokens - tok0))
         return out
 
-    def verify(self, kv: np.ndarray, block_ids: list[int], first_token: int, num_tokens: int) -> int:
+    def verify(self, kv: np.ndarray, block_ids: list[int], first_token: int, num_tokens: int,
+               layers: Iterable[int] | None = None) -> int:
         """Number of mismatching bytes in ``block_ids`` against the expected shard of ``kv``.
 
         Only tokens below ``num_tokens`` are compared (a partial last block's
-        tail is undefined).
+        tail is undefined); only the elements of ``layers`` when given.
         """
         bs = self.spec.block_size
         lay = element_layout(self.spec)
         bad = 0
         exp = self.expected(kv, block_ids, first_token, num_tokens)
+        only = None if layers is None else set(layers)
         for t, off, role in self._blocks_view():
+            if only is not None and lay.element_roles[role][0] not in only:
+                continue
             tok = None
             for j, b in enumerate(block_ids):
                 e = exp[(role, b)]

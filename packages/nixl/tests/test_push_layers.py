@@ -1,0 +1,165 @@
+"""Layer-by-layer push (PrefillEngine.push_start / push_layers / push_finish) and WRITTEN
+notifications that arrive before the decode side expects them; real NIXL, one process."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+import pytest
+from test_engine import CFG, D, P, Pair
+
+from kvbridge.nixl import TransferParams
+from kvbridge.nixl.testing.synthetic import logical_kv
+
+pytestmark = pytest.mark.timeout(120)
+
+PUSH = replace(CFG, mode="push")
+
+
+@pytest.fixture
+def pair():
+    p = Pair(PUSH, p_spec=replace(P, num_layers=4), d_spec=replace(D, num_layers=4))
+    p.dec.serve()
+    yield p
+    p.close()
+
+
+def _target(pair, rid, d_blocks):
+    host, port = pair.dec.address
+    return TransferParams("decode", host, port, 1, tuple(d_blocks), "tok-" + rid)
+
+
+def _fill(pair, p_blocks, seed):
+    kv = logical_kv(pair.p_spec, seed, len(p_blocks) * pair.p_spec.block_size)
+    pair.fill(kv, p_blocks)
+    return kv
+
+
+def _drain(pair, seconds):
+    """Poll both sides for a while; returns what they reported."""
+    done, failed, released = [], [], []
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        ev = pair.dec.poll()
+        done += ev.done
+        failed += ev.failed
+        for e in pair.pre:
+            released += e.poll()
+        time.sleep(0.002)
+    return done, failed, released
+
+
+def _wait_written(pair, check, timeout=10.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        _drain(pair, 0.01)
+        if check():
+            return
+    raise TimeoutError("the expected bytes did not arrive")
+
+
+def test_each_layer_lands_when_named_and_decode_is_told_once_all_did(pair):
+    d_blocks, p_blocks = [3, 7], [5, 6]
+    kv = _fill(pair, p_blocks, seed=11)
+    ntok = len(p_blocks) * pair.p_spec.block_size
+    pair.dec.expect("a", "prefill", pair.p_spec.tp_size, "tok-a", d_blocks)
+    for e in pair.pre:
+        e.push_start("a", p_blocks, _target(pair, "a", d_blocks))
+    for e in pair.pre:
+        e.push_layers("a", [0, 1])
+    # layers 0 and 1 arrive, 2 and 3 are untouched, and decode is not told anything yet
+    _wait_written(pair, lambda: pair.dc.verify(kv, d_blocks, 0, ntok, layers=[0, 1]) == 0)
+    assert pair.dc.verify(kv, d_blocks, 0, ntok, layers=[2]) > 0
+    assert pair.dc.verify(kv, d_blocks, 0, ntok, layers=[3]) > 0
+    done, failed, released = _drain(pair, 0.3)
+    assert (done, failed, released) == ([], [], [])
+    for e in pair.pre:
+        e.push_layers("a", [2, 1])  # 1 again: skipped
+    _wait_written(pair, lambda: pair.dc.verify(kv, d_blocks, 0, ntok, layers=[2]) == 0)
+    assert pair.dc.verify(kv, d_blocks, 0, ntok, layers=[3]) > 0
+    for e in pair.pre:
+        e.push_finish("a")  # writes layer 3, then notifies
+    done, failed, released = pair.run(lambda d, f, r: d and len(r) == 2)
+    assert done == ["a"] and not failed
+    assert {r.reason for r in released} == {"written"}
+    assert pair.dc.verify(kv, d_blocks, 0, ntok) == 0
+    # one WRITE per named batch and per decode rank: layers [0,1], [2], [3] from each rank
+    assert all(e.stats.posts == 0 for e in pair.pre)  # pull counter untouched
+    assert [e.stats.transfers for e in pair.pre] == [3, 3]
+    assert pair.dec.stats.notifications_unknown == 0
+
+
+def test_layers_named_before_the_handshake_are_written_after_it(pair):
+    d_blocks, p_blocks = [1], [2]
+    kv = _fill(pair, p_blocks, seed=5)
+    pair.dec.expect("b", "prefill", pair.p_spec.tp_size, "tok-b", d_blocks)
+    for e in pair.pre:
+        assert e.peers.get("decode") is None
+        e.push_start("b", p_blocks, _target(pair, "b", d_blocks))
+        e.push_layers("b", [3])
+        e.push_layers("b", [0])
+        e.push_finish("b")
+    done, failed, released = pair.run(lambda d, f, r: d and len(r) == 2)
+    assert done == ["b"] and not failed
+    assert pair.dc.verify(kv, d_blocks, 0, pair.p_spec.block_size) == 0
+
+
+def test_written_before_expect_is_kept_and_applied(pair):
+    d_blocks, p_blocks = [4], [9]
+    kv = _fill(pair, p_blocks, seed=2)
+    for e in pair.pre:
+        e.push("c", p_blocks, _target(pair, "c", d_blocks))
+    # the prefill ranks finish and notify before decode expects the request
+    _, _, released = _drain(pair, 0.0)
+    end = time.monotonic() + 10
+    while len(released) < 2 and time.monotonic() < end:
+        released += _drain(pair, 0.02)[2]
+    assert len(released) == 2
+    _wait_written(pair, lambda: pair.dec.stats.notifications_received == 2)
+    pair.dec.expect("c", "prefill", pair.p_spec.tp_size, "tok-c", d_blocks)
+    done, failed, _ = pair.run(lambda d, f, r: d)
+    assert done == ["c"] and not failed
+    assert pair.dc.verify(kv, d_blocks, 0, pair.p_spec.block_size) == 0
+    assert pair.dec.stats.notifications_unknown == 0
+
+
+def test_unclaimed_early_notifications_expire_as_unknown():
+    pair = Pair(replace(PUSH, transfer_timeout_s=0.3))
+    try:
+        pair.dec.serve()
+        _fill(pair, [1], seed=1)
+        for e in pair.pre:
+            e.push("x", [1], _target(pair, "x", [2]))
+        _drain(pair, 0.2)
+        assert pair.dec.stats.notifications_unknown == 0
+        _drain(pair, 0.5)
+        assert pair.dec.stats.notifications_unknown == 2
+    finally:
+        pair.close()
+
+
+def test_layered_push_refuses_what_it_cannot_do(pair):
+    e = pair.pre[0]
+    with pytest.raises(ValueError, match="no layered push"):
+        e.push_layers("nope", [0])
+    e.push_start("d", [1], _target(pair, "d", [1]))
+    with pytest.raises(ValueError, match="already being pushed"):
+        e.push_start("d", [1], _target(pair, "d", [1]))
+    with pytest.raises(ValueError, match="outside this model's 4 layers"):
+        e.push_layers("d", [4])
+    e.push_finish("d")
+    with pytest.raises(ValueError, match="no more layers"):
+        e.push_layers("d", [0])
+    e.push("w", [2], _target(pair, "w", [2]))
+    with pytest.raises(ValueError, match="no layered push"):
+        e.push_finish("w")
+
+
+def test_layered_push_needs_push_mode():
+    pair = Pair(CFG)
+    try:
+        with pytest.raises(ValueError, match="push_start\\(\\) needs an engine configured with mode='push'"):
+            pair.pre[0].push_start("a", [1], TransferParams("decode", "127.0.0.1", 1, 1, (1,), "t"))
+    finally:
+        pair.close()
