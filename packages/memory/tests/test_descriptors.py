@@ -213,3 +213,38 @@ def test_a_stride_that_leaves_the_remote_element_is_refused():
     bad = replace(plan, remote_unit_stride=plan.remote_unit_bytes)
     with pytest.raises(MemoryLayoutError, match="plan does not match this cache"):
         rank_descriptors(bad, 0, lg, rg)
+
+
+@pytest.mark.parametrize("loc_tp,rem_tp,rem_bs", [(1, 2, 16), (2, 1, 8), (2, 2, 32)])
+def test_layer_selection_splits_a_request_into_its_layers(loc_tp, rem_tp, rem_bs):
+    """Each layer's indices touch that layer's regions only, and the layers together are
+    exactly the whole request's indices (as a set; the order within a layer is kept)."""
+    loc, rem = spec("d", loc_tp, 16, layers=3), spec("p", rem_tp, rem_bs, layers=3)
+    lg, rg = geo(loc, 40, 1 << 20), geo(rem, 60, 1 << 30)
+    plan = plan_rank(loc, rem, 0)
+    lids, rids = [3, 9, 4], list(range(5, 5 + 3 * 16 // rem_bs))
+    for q in plan.source_ranks:
+        rd = rank_descriptors(plan, q, lg, rg)
+        li, ri = rd.indices(lids, rids)
+        per_layer = [rd.indices(lids, rids, layers=[layer]) for layer in range(3)]
+        pairs = {(int(a), int(b)) for a, b in zip(li, ri)}
+        got = [{(int(a), int(b)) for a, b in zip(*p)} for p in per_layer]
+        assert set().union(*got) == pairs and sum(map(len, got)) == len(pairs)
+        local = rd.local_descs()
+        for layer, (lsel, _) in enumerate(per_layer):
+            assert len(lsel) > 0
+            # kv-first: regions 2*layer (K) and 2*layer+1 (V) of the local cache
+            lo, hi = lg.base_addrs[2 * layer], lg.base_addrs[2 * layer + 1] + 40 * lg.block_strides[0]
+            addrs = local[lsel, 0]
+            assert ((addrs >= lo) & (addrs < hi)).all()
+        both = rd.indices(lids, rids, layers=[0, 2])
+        assert len(both[0]) == len(per_layer[0][0]) + len(per_layer[2][0])
+
+
+def test_layer_selection_needs_known_roles():
+    loc, rem = spec("d", 1, 16), spec("p", 1, 16)
+    lg = replace(geo(loc, 10, 1 << 20), element_roles=())
+    plan = plan_rank(loc, rem, 0)
+    rd = rank_descriptors(plan, 0, lg, geo(rem, 10, 1 << 30))
+    with pytest.raises(MemoryLayoutError, match="cannot select single layers"):
+        rd.indices([1], [1], layers=[0])
