@@ -227,8 +227,8 @@ def test_layer_selection_splits_a_request_into_its_layers(loc_tp, rem_tp, rem_bs
         rd = rank_descriptors(plan, q, lg, rg)
         li, ri = rd.indices(lids, rids)
         per_layer = [rd.indices(lids, rids, layers=[layer]) for layer in range(3)]
-        pairs = {(int(a), int(b)) for a, b in zip(li, ri)}
-        got = [{(int(a), int(b)) for a, b in zip(*p)} for p in per_layer]
+        pairs = {(int(a), int(b)) for a, b in zip(li, ri, strict=True)}
+        got = [{(int(a), int(b)) for a, b in zip(*p, strict=True)} for p in per_layer]
         assert set().union(*got) == pairs and sum(map(len, got)) == len(pairs)
         local = rd.local_descs()
         for layer, (lsel, _) in enumerate(per_layer):

@@ -10,7 +10,7 @@ secret (``auth_key`` on both sides) requests and replies are authenticated
 """
 
 from .auth import DEFAULT_REPLAY_WINDOW_S, derive_key, normalize_key
-from .client import DEFAULT_MAX_REPLY_BYTES, fetch_metadata
+from .client import DEFAULT_MAX_REPLY_BYTES, fetch_metadata, send_push_offer
 from .errors import (
     AuthenticationFailed,
     HandshakeError,
@@ -33,6 +33,7 @@ from .metadata import (
     encode_metadata,
     metadata_problems,
 )
+from .offers import OfferHandler
 from .server import MetadataServer, ServerStats
 from .wire import (
     ERROR_CODES,
@@ -40,6 +41,8 @@ from .wire import (
     ErrorReply,
     MetadataReply,
     MetadataRequest,
+    PushAccept,
+    PushOffer,
     compat_fields,
     compatibility_hash,
     new_incarnation,
@@ -52,5 +55,6 @@ __all__ = [
     "InvalidMetadata", "MalformedReply", "MambaSpecFacts", "MetadataReply", "MetadataRequest",
     "MetadataServer", "PeerUnreachable", "RequestRejected", "ServerStats", "UnknownRank", "WrongEngine", "check_metadata",
     "compat_fields", "compatibility_hash", "decode_metadata", "encode_metadata",
-    "fetch_metadata", "metadata_problems", "new_incarnation",
+    "fetch_metadata", "metadata_problems", "new_incarnation", "OfferHandler", "PushAccept",
+    "PushOffer", "send_push_offer",
 ]

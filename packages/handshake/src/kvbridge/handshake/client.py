@@ -11,7 +11,7 @@ import msgspec
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from . import auth, wire
+from . import auth, offers, wire
 from .errors import (
     AuthenticationFailed,
     HandshakeError,
@@ -90,6 +90,23 @@ def fetch_metadata(
         if own_ctx:
             ctx.term()
     return _validate(reply, endpoint, want, engine_id, compat_hash, request, key)
+
+
+def request_reply(host: str, port: int, make_request, *, timeout: float, retries: int,
+                  context: zmq.Context | None = None, what: str = "request",
+                  backoff: float = 0.05, refused_grace: float = 1.0,
+                  max_reply_bytes: int = 1 << 20) -> tuple[list[bytes], object]:
+    """One bounded REQ round trip to a side channel (as :func:`fetch_metadata` makes them):
+    ``make_request()`` builds each attempt's message; returns (reply frames, the message
+    that was answered)."""
+    _check_args(host, port, [0], timeout, retries, backoff, max_reply_bytes)
+    ctx = zmq.Context(io_threads=1) if context is None else context
+    try:
+        return _request(ctx, tcp_endpoint(host, port), make_request, timeout, retries, backoff,
+                        max_reply_bytes, [0], what, refused_grace)
+    finally:
+        if context is None:
+            ctx.term()
 
 
 def _new_request(want: list[int], engine_id: str | None, key: bytes | None) -> wire.MetadataRequest:
@@ -323,3 +340,68 @@ def _raise_error_reply(msg: wire.ErrorReply, endpoint: str) -> None:
     if msg.code == wire.WRONG_ENGINE:
         raise WrongEngine(text + "; check the side-channel host and port of the engine")
     raise RequestRejected(text)
+
+
+def send_push_offer(
+    host: str,
+    port: int,
+    *,
+    transfer_id: str,
+    engine_id: str,
+    address: tuple[str, int],
+    tp_size: int,
+    block_size: int,
+    block_ids: Sequence[Sequence[int]],
+    token: str,
+    computed_tokens: int = 0,
+    incarnation: str = "",
+    timeout: float = 5.0,
+    retries: int = 2,
+    auth_key: str | bytes | None = None,
+    context: zmq.Context | None = None,
+) -> wire.PushAccept:
+    """Offer the prefill engine at ``host:port`` this decode engine's blocks for one request.
+
+    ``engine_id`` / ``address`` / ``tp_size`` / ``block_size`` / ``incarnation``
+    describe this (decode) engine and its side channel; ``block_ids`` hold one
+    list per KV-cache group. Returns the prefill engine's accept. Raises
+    :class:`~kvbridge.handshake.RequestRejected` when it refuses the offer (the
+    message says why), :class:`~kvbridge.handshake.HandshakeTimeout` /
+    :class:`~kvbridge.handshake.PeerUnreachable` when it does not answer, and
+    :class:`~kvbridge.handshake.AuthenticationFailed` for an unauthenticated reply
+    to a keyed offer. Every wait is bounded as in
+    :func:`~kvbridge.handshake.fetch_metadata`.
+    """
+    key = auth.normalize_key(auth_key)
+    fields = dict(protocol_version=wire.PROTOCOL_VERSION, transfer_id=transfer_id,
+                  engine_id=engine_id, host=address[0], port=int(address[1]), tp_size=tp_size,
+                  block_size=block_size, block_ids=[[int(b) for b in g] for g in block_ids],
+                  token=token, computed_tokens=computed_tokens, incarnation=incarnation)
+
+    def make() -> wire.PushOffer:
+        offer = wire.PushOffer(nonce=int.from_bytes(os.urandom(8), "little") >> 1,
+                               sent_ms=auth.now_ms() if key is not None else 0, **fields)
+        if key is not None:
+            offer = msgspec.structs.replace(offer, auth=offers.offer_mac(key, offer))
+        return offer
+
+    try:  # field bounds are checked (as the server will) before anything is sent
+        msgspec.msgpack.decode(wire.encode(make()), type=wire.PushOffer)
+    except (msgspec.ValidationError, TypeError) as exc:
+        raise ValueError(f"invalid push offer: {exc}") from None
+    frames, offer = request_reply(host, port, make, timeout=timeout, retries=retries,
+                                  context=context, what=f"push offer {transfer_id!r}")
+    try:
+        msg = wire.MESSAGE_DECODER.decode(frames[0]) if len(frames) == 1 else None
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise MalformedReply(f"undecodable reply to a push offer from {host}:{port}: {exc}") from None
+    if isinstance(msg, wire.ErrorReply):
+        raise RequestRejected(f"{host}:{port} refused push offer {transfer_id!r} "
+                              f"({msg.code}): {msg.message}")
+    if not isinstance(msg, wire.PushAccept) or msg.nonce != offer.nonce or msg.transfer_id != transfer_id:
+        raise MalformedReply(f"{host}:{port} did not answer push offer {transfer_id!r} with its accept")
+    if key is not None and not (msg.auth and auth.macs_equal(
+            offers.accept_mac(key, offer.auth, msgspec.structs.replace(msg, auth=b"")), msg.auth)):
+        raise AuthenticationFailed(f"the accept from {host}:{port} is not authenticated with this "
+                                   "engine's key; " + auth.HOW_TO_SET)
+    return msg

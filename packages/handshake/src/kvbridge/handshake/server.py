@@ -10,7 +10,7 @@ from collections.abc import Mapping
 import msgspec
 import zmq
 
-from . import auth, wire
+from . import auth, offers, wire
 from .errors import HandshakeError, InvalidMetadata
 from .metadata import AgentMetadata, check_metadata, decode_metadata, encode_metadata
 
@@ -89,6 +89,7 @@ class MetadataServer:
         compat_info: Mapping[str, str] | None = None,
         auth_key: str | bytes | None = None,
         replay_window_s: float = auth.DEFAULT_REPLAY_WINDOW_S,
+        on_offer: offers.OfferHandler | None = None,
     ) -> None:
         if not isinstance(compat_hash, str) or not compat_hash:
             raise InvalidMetadata("compat_hash must be a non-empty string (see compatibility_hash)")
@@ -102,6 +103,8 @@ class MetadataServer:
         except ValueError as exc:
             raise InvalidMetadata(str(exc)) from None
         self._compat_hash = compat_hash
+        #: push mode: takes a decode engine's offer (see kvbridge.handshake.offers)
+        self.on_offer = on_offer
         self._compat_info = {str(k): str(v) for k, v in (compat_info or {}).items()}
         self._max_frame_bytes = max_frame_bytes
         self._lock = threading.Lock()
@@ -372,6 +375,12 @@ class MetadataServer:
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             return self._error(router, prefix, wire.BAD_REQUEST,
                                f"could not decode a request: {_short(exc)}")
+        if isinstance(msg, wire.PushOffer):
+            refused = offers.check_offer(msg, self._key, self._replay)
+            if refused is not None:
+                return self._error(router, prefix, *refused, msg.nonce)
+            self._send(router, prefix, wire.encode(offers.answer_offer(msg, self.on_offer, self._key)))
+            return None
         if not isinstance(msg, wire.MetadataRequest):
             return self._error(router, prefix, wire.BAD_REQUEST,
                                f"expected a metadata-request, got a {type(msg).__name__}")

@@ -57,6 +57,54 @@ class MetadataReply(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind",
     auth: bytes = b""
 
 
+#: longest transfer id a push offer may carry
+MAX_TRANSFER_ID_CHARS = 256
+
+BlockIds = Annotated[list[Annotated[int, msgspec.Meta(ge=0, le=(1 << 40))]],
+                     msgspec.Meta(max_length=1 << 20)]
+
+
+class PushOffer(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind", tag="push-offer"):
+    """Push mode: a decode engine tells a prefill engine where to write one request.
+
+    Sent by the decode engine once it allocated the request's blocks, to the side
+    channel of the prefill engine that computes the request; ``transfer_id`` is
+    the id the router gave both requests. ``block_ids`` holds one list per
+    KV-cache group, for the tokens from ``computed_tokens`` on; ``token`` is what
+    the decode ranks expect in the WRITTEN notifications.
+    """
+
+    protocol_version: int
+    transfer_id: Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_TRANSFER_ID_CHARS)]
+    engine_id: Annotated[str, msgspec.Meta(min_length=1, max_length=1024)]
+    host: Annotated[str, msgspec.Meta(min_length=1, max_length=1024)]
+    port: Annotated[int, msgspec.Meta(ge=1, le=65535)]
+    tp_size: Annotated[int, msgspec.Meta(ge=1, le=1 << 16)]
+    block_size: Annotated[int, msgspec.Meta(ge=1, le=1 << 20)]
+    block_ids: Annotated[list[BlockIds], msgspec.Meta(max_length=64)]
+    token: Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
+    computed_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
+    incarnation: Annotated[str, msgspec.Meta(max_length=256)] = ""
+    nonce: int = 0
+    sent_ms: int = 0
+    auth: bytes = b""
+
+
+class PushAccept(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind", tag="push-accept"):
+    """The prefill engine took a :class:`PushOffer`: its facts the decode ranks plan with."""
+
+    protocol_version: int
+    transfer_id: str
+    engine_id: str
+    tp_size: int
+    block_size: int
+    kernel_blocks_per_block: int = 1
+    head_order: str = "HND"
+    incarnation: str = ""
+    nonce: int = 0
+    auth: bytes = b""
+
+
 class ErrorReply(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind", tag="error"):
     """The server could not answer: ``code`` is one of :data:`ERROR_CODES`."""
 
@@ -66,7 +114,7 @@ class ErrorReply(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind", ta
     nonce: int = 0
 
 
-Message = Union[MetadataRequest, MetadataReply, ErrorReply]  # noqa: UP007 (msgspec type arg)
+Message = Union[MetadataRequest, MetadataReply, ErrorReply, PushOffer, PushAccept]  # noqa: UP007 (msgspec type arg)
 
 #: error codes a server sends
 BAD_REQUEST = "bad-request"
@@ -78,8 +126,10 @@ INTERNAL = "internal"
 AUTH_REQUIRED = "auth-required"
 #: wrong MAC (another key), send time outside the replay window, or a replayed nonce
 AUTH_FAILED = "auth-failed"
+#: a push offer the server does not take (no push-mode engine here, or it refused the offer)
+PUSH_REFUSED = "push-refused"
 ERROR_CODES = (BAD_REQUEST, TOO_LARGE, UNKNOWN_RANK, WRONG_ENGINE, INTERNAL, AUTH_REQUIRED,
-               AUTH_FAILED)
+               AUTH_FAILED, PUSH_REFUSED)
 
 
 class Envelope(msgspec.Struct, kw_only=True):
@@ -100,7 +150,7 @@ MESSAGE_DECODER = msgspec.msgpack.Decoder(Message)
 ENVELOPE_DECODER = msgspec.msgpack.Decoder(Envelope)
 
 
-def encode(message: MetadataRequest | MetadataReply | ErrorReply) -> bytes:
+def encode(message: MetadataRequest | MetadataReply | ErrorReply | PushOffer | PushAccept) -> bytes:
     return ENCODER.encode(message)
 
 
