@@ -136,12 +136,21 @@ def test_pipeline_and_context_parallelism_are_refused_by_name(setting: str) -> N
     ({"kv_role": "kv_sender"}, "kv_role must be"),
     ({"kv_role": None}, "kv_role must be"),
     ({"kv_role": "kv_both", "kv_cache_groups": 2}, "2 KV-cache groups"),
-    ({"kv_role": "kv_both", "config": ConnectorConfig(mode="push")}, "mode'] = 'pull'"),
 ])
 def test_other_unsupported_engines_are_refused(kw: dict, fragment: str) -> None:
     cfg = kw.pop("config", ConnectorConfig())
     with pytest.raises(ConfigError, match=fragment):
         check_engine_support(cfg, **kw)
+
+
+def test_push_mode_is_served_layer_by_layer_unless_told_otherwise() -> None:
+    roles = check_engine_support(ConnectorConfig(mode="push"), kv_role="kv_both")
+    assert roles.producer and roles.consumer
+    assert parse_connector_config({"mode": "push"}, env={}).push_layerwise is True
+    cfg = parse_connector_config({"mode": "push"}, env={"KVBRIDGE_PUSH_LAYERWISE": "0"})
+    assert cfg.push_layerwise is False
+    with pytest.raises(ConfigError, match="push_layerwise'\\] must be a boolean"):
+        parse_connector_config({"push_layerwise": "sometimes"}, env={})
 
 
 KEY = "0123456789abcdef-shared-by-both"

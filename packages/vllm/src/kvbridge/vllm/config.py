@@ -41,6 +41,7 @@ class ConnectorConfig:
     """
 
     mode: Mode = "pull"
+    push_layerwise: bool = True
     backends: tuple[str, ...] = ("UCX",)
     ucx_threads: int = 1
     progress_thread: bool = False
@@ -100,6 +101,9 @@ class ConfigKey:
 CONFIG_KEYS: tuple[ConfigKey, ...] = (
     ConfigKey("mode", ("KVBRIDGE_MODE",),
               "'pull' (decode reads from prefill) or 'push' (prefill writes to decode)"),
+    ConfigKey("push_layerwise", ("KVBRIDGE_PUSH_LAYERWISE",),
+              "push mode: write each layer as soon as vLLM computed it, overlapping the rest of "
+              "the prefill (false: write the whole request after the forward pass)"),
     ConfigKey("backends", ("KVBRIDGE_BACKENDS",),
               "NIXL backends, a list (environment: comma-separated)"),
     ConfigKey("ucx_threads", ("KVBRIDGE_UCX_THREADS",),
@@ -243,6 +247,7 @@ _PARSERS: dict[str, Callable[[str, Any, str | None], Any]] = {
     "transfer_timeout_seconds": _seconds,
     "enforce_compat": _bool,
     "progress_thread": _bool,
+    "push_layerwise": _bool,
     "huge_pages": _bool,
     "side_channel_host": _host,
     "side_channel_port": lambda k, v, e: _int(k, v, e, lo=1, hi=65535),
@@ -308,12 +313,6 @@ def check_engine_support(config: ConnectorConfig, *, kv_role: str | None, kv_cac
     """
     if kv_role not in ("kv_producer", "kv_consumer", "kv_both"):
         raise ConfigError(f"kv_role must be kv_producer, kv_consumer or kv_both, got {kv_role!r}")
-    if config.mode != "pull":
-        raise ConfigError(
-            "KVBridgeConnector supports mode 'pull' (decode reads from prefill) with vLLM; "
-            "'push' is available in kvbridge.nixl for other engines. Set "
-            "kv_connector_extra_config['mode'] = 'pull'"
-        )
     for name, size in (("pipeline_parallel_size", pipeline_parallel_size),
                        ("decode_context_parallel_size", decode_context_parallel_size),
                        ("prefill_context_parallel_size", prefill_context_parallel_size)):

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -37,6 +37,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvbridge.vllm import shims
 from kvbridge.vllm.config import ConnectorConfig, check_engine_support, parse_connector_config
 from kvbridge.vllm.metrics import KVBridgePromMetrics, KVBridgeStats
+from kvbridge.vllm.pushing import is_push
 from kvbridge.vllm.registration import register_caches
 from kvbridge.vllm.scheduler import SchedulerSide
 from kvbridge.vllm.steps import StepOrders
@@ -118,8 +119,7 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
 
         Refuses, with a :class:`~kvbridge.vllm.config.ConfigError` naming the setting,
         configurations it cannot serve: unknown extra-config keys or bad values, a
-        bad ``kv_role``, ``mode='push'``, pipeline or context parallelism, several
-        KV-cache groups.
+        bad ``kv_role``, pipeline or context parallelism, several KV-cache groups.
         """
         super().__init__(vllm_config, role, kv_cache_config)
         _route_logs()
@@ -175,9 +175,25 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
             raise RuntimeError("scheduler-side method called on a worker-side KVBridgeConnector")
         return self._sched
 
+    def _push_params(self, request: Request) -> bool:
+        """True for a push-mode request (its bookkeeping is ``PushState``'s); refused, with a
+        log line, on an engine in pull mode."""
+        params = request.kv_transfer_params
+        if not is_push(params):
+            return False
+        if self._s().push is None and params.get("do_remote_prefill") is not False:
+            log.warning("request %s asks for a push-mode transfer but this engine runs KVBridgeConnector "
+                        "in pull mode (set kv_connector_extra_config['mode'] = 'push' on both "
+                        "engines); it is computed without a transfer", request.request_id)
+            params["do_remote_prefill"] = False
+            params["do_remote_decode"] = False
+        return True
+
     def on_new_request(self, request: Request) -> None:
         """Scheduler, when a request is added. A decode request with kvbridge parameters
         is parsed now, and its handshake and lease renewals start with the next step."""
+        if self._push_params(request):
+            return
         self._s().state.on_new_request(request.request_id, request.kv_transfer_params,
                                        request.num_prompt_tokens)
 
@@ -186,7 +202,19 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         """Scheduler, each time it considers scheduling a waiting request. Returns
         (prompt tokens to load beyond ``num_computed_tokens``, load asynchronously?):
         every prompt token the prefill engine computed for a decode request with
-        usable parameters, (0, False) otherwise."""
+        usable parameters, (0, False) otherwise. Push mode: a decode request loads its
+        prompt asynchronously; a prefill request answers None ("ask again") until its
+        decode engine's offer arrived."""
+        if self._push_params(request):
+            params, push = request.kv_transfer_params, self._s().push
+            if push is None:
+                return 0, False
+            if params.get("do_remote_prefill"):
+                return push.decode_matched(request.request_id, params, request.num_prompt_tokens,
+                                           num_computed_tokens)
+            if params.get("do_remote_decode"):
+                return push.prefill_matched(request.request_id, params, request.num_prompt_tokens)
+            return 0, False
         return self._s().state.matched_tokens(
             request.request_id, request.kv_transfer_params, request.num_prompt_tokens,
             num_computed_tokens)
@@ -197,6 +225,15 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         Orders the load into the new blocks once, or the release of the prefill
         blocks when nothing is to be loaded."""
         params = request.kv_transfer_params
+        push = self._s().push
+        if push is not None and is_push(params):
+            if params.get("do_remote_prefill"):
+                push.decode_after_alloc(request.request_id, params, self._select(
+                    shims.unhashed_block_ids(blocks)), shims.computed_block_count(blocks),
+                    num_external_tokens)
+            elif params.get("do_remote_decode"):
+                push.prefill_after_alloc(request.request_id, self._select(blocks.get_block_ids()))
+            return
         if not params or not params.get("do_remote_prefill"):
             return
         if num_external_tokens > 0:
@@ -215,7 +252,20 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         """Scheduler, once per step after scheduling: this step's orders for every
         worker (loads, holds, releases, renewals); resets them."""
-        return KVBridgeConnectorMetadata(self._s().state.take_orders())
+        s = self._s()
+        orders = s.state.take_orders()
+        if s.push is not None:
+            s.push.prefill_step(shims.step_progress(scheduler_output))
+            orders = replace(orders, push=s.push.take())
+        return KVBridgeConnectorMetadata(orders)
+
+    def has_pending_push_work(self) -> bool:
+        """Scheduler, each loop: keep stepping while push offers, writes or releases are
+        pending (push mode)."""
+        return self._sched is not None and self._sched.push is not None and self._sched.push.pending
+
+    def _select(self, block_ids: Any) -> tuple:
+        return shims.select_groups(self._kv_cache_config, block_ids)
 
     def update_connector_output(self, connector_output: Any) -> None:
         """Scheduler, with the workers' merged results of a step: forgets the requests
@@ -235,7 +285,15 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
 
     def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
                                     ) -> tuple[bool, dict[str, Any] | None]:
-        """As :meth:`request_finished`, with one block list per KV-cache group."""
+        """As :meth:`request_finished`, with one block list per KV-cache group. A push-mode
+        prefill request keeps its blocks until its workers report the push released."""
+        params = request.kv_transfer_params
+        if is_push(params):
+            push = self._s().push
+            if push is not None and params.get("do_remote_decode"):
+                keep = push.prefill_finished(request.request_id)
+                return keep, ({"transfer_mode": "push", "kvbridge_pushed": keep} if keep else None)
+            return False, None
         return self._s().state.finished(
             request.request_id, request.kv_transfer_params,
             completed=shims.request_completed(request),
@@ -267,7 +325,8 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
                               engine_id=self.engine_id,
                               attention_backend=shims.attention_backend_name(self._vllm_config))
         self._w().register(reg.spec, reg.regions, reg.engine_config, incarnation=self.incarnation,
-                           address=(self.config.side_channel_host, self.port))
+                           address=(self.config.side_channel_host, self.port),
+                           layer_names=reg.layer_names)
 
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
         """Worker, once after :meth:`register_kv_caches`: this rank's metadata for the
@@ -291,14 +350,20 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
                       **kwargs: Any) -> None:
-        """Worker, inside each attention layer: nothing to save (pull mode: the decode
-        side reads the blocks)."""
-        return
+        """Worker, inside each attention layer once vLLM wrote its KV for this step: push
+        mode (layer by layer) writes the layer into the decode engines now, on the
+        engine's worker thread, so the copy overlaps the rest of the forward pass. Pull
+        mode: nothing (the decode side reads the blocks)."""
+        if self._worker is not None:
+            self._worker.save_layer(layer_name)
 
     def wait_for_save(self) -> None:
-        """Worker, every step after the forward pass: nothing to wait for (pull mode
-        holds blocks in place, no host staging)."""
-        return
+        """Worker, every step after the forward pass: push mode writes what the layers did
+        not (the whole request when not layer by layer) and returns at once; the request's
+        blocks stay allocated until the workers report the push released. Pull mode:
+        nothing (blocks are held in place)."""
+        if self._worker is not None:
+            self._worker.finish_saves()
 
     def _results(self) -> TransferResults:
         return self._w().results()

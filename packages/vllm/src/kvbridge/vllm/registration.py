@@ -43,6 +43,8 @@ class Registration:
     spec: EngineSpec
     regions: CacheRegions
     engine_config: EngineConfig
+    #: vLLM's layer names in model order (the order of the cache's layers)
+    layer_names: tuple[str, ...] = ()
 
 
 def model_facts(vllm_config: Any, kv_cache_config: Any, engine_id: str,
@@ -91,4 +93,5 @@ def register_caches(vllm_config: Any, kv_cache_config: Any, kv_caches: Mapping[s
         vocab_size=mc.get_vocab_size())
     return Registration(spec, regions, engine_config(cfg, mem_type=regions.mem_type,
                                                      model=identity,
-                                                     attention_backend=attention_backend))
+                                                     attention_backend=attention_backend),
+                        tuple(names))

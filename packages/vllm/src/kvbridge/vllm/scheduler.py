@@ -15,8 +15,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 
-from kvbridge.handshake import MetadataServer
+from kvbridge.handshake import MetadataServer, decode_metadata, send_push_offer
 from kvbridge.vllm.config import ConnectorConfig, EngineRoles
+from kvbridge.vllm.pushing import PushState
 from kvbridge.vllm.steps import SchedulerState
 
 __all__ = ["SchedulerSide"]
@@ -43,6 +44,17 @@ class SchedulerSide:
             address=(self.host, port), producer=roles.producer, consumer=roles.consumer,
             heartbeat_s=config.heartbeat_seconds, mode=config.mode,
         )
+        #: push mode (kvbridge.vllm.pushing); None in pull mode
+        self.push: PushState | None = None
+        if config.mode == "push":
+            key, timeout = config.auth_key, config.handshake_timeout_seconds
+
+            def send(host: str, port: int, **fields):
+                return send_push_offer(host, port, timeout=timeout, auth_key=key, **fields)
+
+            self.push = PushState(engine_id=engine_id, block_size=block_size, tp_size=tp_size,
+                                  address=(self.host, port), layerwise=config.push_layerwise,
+                                  wait_s=config.transfer_timeout_seconds, send_offer=send)
 
     def serve(self, payloads: Mapping[int, tuple[str, bytes]]) -> None:
         """Serve every rank's metadata on the side channel (prefill side, pull mode).
@@ -63,15 +75,24 @@ class SchedulerSide:
         # incarnation, and serves the bytes as they are
         if self.server is None:
             self.server = MetadataServer(encoded, compat_hash=hashes.pop(), host=self.host,
-                                         port=self.port, auth_key=self._auth_key)
+                                         port=self.port, auth_key=self._auth_key,
+                                         on_offer=None if self.push is None else self.push.on_offer)
         else:
             for rank, md in encoded.items():
                 self.server.set_metadata(rank, md)
         self.state.set_incarnation(self.server.incarnation)
+        if self.push is not None:
+            md = decode_metadata(next(iter(encoded.values())))
+            self.push.incarnation = self.server.incarnation
+            self.push.accept_facts = dict(block_size=md.block_size,
+                                          kernel_blocks_per_block=md.kernel_blocks_per_block,
+                                          head_order=md.head_order)
         log.info("kvbridge: serving %d rank(s) of engine %s on %s:%d", len(encoded), self.engine_id,
                  self.server.host, self.server.port)
 
     def close(self) -> None:
+        if self.push is not None:
+            self.push.close()
         if self.server is not None:
             self.server.close()
             self.server = None

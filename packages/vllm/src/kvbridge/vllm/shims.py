@@ -133,3 +133,18 @@ def required_kvcache_layout(use_mla: bool) -> str | None:
         return "LBHNC"
     except ImportError:  # pragma: no cover - older vLLM
         return "HND"
+
+
+def step_progress(scheduler_output: Any) -> list[tuple[str, int, int, Any]]:
+    """This step's scheduled requests as (id, tokens computed before the step, tokens
+    scheduled in it, newly allocated block ids per group or None)."""
+    scheduled = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
+    out = []
+    for r in getattr(scheduler_output, "scheduled_new_reqs", None) or ():
+        out.append((r.req_id, int(r.num_computed_tokens), int(scheduled.get(r.req_id, 0)), r.block_ids))
+    cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
+    if cached is not None:
+        for i, rid in enumerate(cached.req_ids):
+            out.append((rid, int(cached.num_computed_tokens[i]), int(scheduled.get(rid, 0)),
+                        cached.new_block_ids[i]))
+    return out

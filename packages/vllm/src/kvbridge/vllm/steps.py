@@ -36,6 +36,7 @@ from kvbridge.vllm.params import (
     is_prefill_request,
     is_remote_prefill,
 )
+from kvbridge.vllm.pushing import PushOrders
 from kvbridge.vllm.scheduling import check_remote_blocks, check_remote_parallelism, tokens_to_load
 
 __all__ = ["HoldOrder", "LoadOrder", "SchedulerState", "StepOrders"]
@@ -76,10 +77,12 @@ class StepOrders:
     releases: tuple[RemotePrefill, ...] = ()
     #: decode: queued requests whose prefill lease to renew (handshaking first if needed)
     renewals: tuple[RemotePrefill, ...] = ()
+    #: push mode: writes, expectations and failed offers (kvbridge.vllm.pushing)
+    push: PushOrders = PushOrders()
 
     @property
     def empty(self) -> bool:
-        return not (self.loads or self.holds or self.releases or self.renewals)
+        return not (self.loads or self.holds or self.releases or self.renewals) and self.push.empty
 
 
 class SchedulerState:

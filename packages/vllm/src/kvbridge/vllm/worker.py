@@ -24,6 +24,7 @@ from kvbridge.memory import CacheRegions
 from kvbridge.nixl import DecodeEngine, EngineConfig, PrefillEngine, Stats
 from kvbridge.topology import EngineSpec
 from kvbridge.vllm.config import EngineRoles
+from kvbridge.vllm.pushing import PushOrder, PushOrders
 from kvbridge.vllm.stats import empty_stats, is_empty, stats_delta
 from kvbridge.vllm.steps import StepOrders
 
@@ -63,12 +64,19 @@ class WorkerSide:
         self._failed_now: dict[str, tuple[int, ...]] = {}  # loads refused before starting
         self._invalid: set[int] = set()
         self._stats_base: dict[str, Stats] = {}
+        # push mode
+        self._layer_index: dict[str, int] = {}
+        self._step_pushes: list[PushOrder] = []  # this step's writes (saved in the forward pass)
+        self._push_sent: set[str] = set()  # finished in the scheduler: report once released
+        self._push_released: set[str] = set()  # released before the scheduler said finished
 
     # ----- registration ----------------------------------------------------
     def register(self, spec: EngineSpec, regions: CacheRegions, config: EngineConfig, *,
-                 incarnation: str, address: tuple[str, int]) -> None:
+                 incarnation: str, address: tuple[str, int], layer_names: tuple[str, ...] = ()) -> None:
         """Register this rank's cache with its engines. ``address`` is the side channel
-        the scheduler serves this engine's metadata on (prefill side)."""
+        the scheduler serves this engine's metadata on; ``layer_names`` are vLLM's names of
+        the cache's layers in model order (push mode writes layers by name)."""
+        self._layer_index = {n: i for i, n in enumerate(layer_names)}
         if self.roles.producer:
             self.prefill = PrefillEngine(spec, self.rank, regions, config, incarnation=incarnation)
             self.prefill.advertise(*address)
@@ -79,9 +87,13 @@ class WorkerSide:
                  regions.num_blocks, spec.block_size, regions.mem_type)
 
     def handshake(self) -> tuple[str, bytes] | None:
-        """(compatibility hash, encoded metadata) of this rank for the scheduler to serve;
-        None on a decode-only rank (pull mode: decode engines fetch prefill metadata)."""
+        """(compatibility hash, encoded metadata) of this rank for the scheduler to serve:
+        the engine peers handshake with (pull: the prefill engine, which decode engines
+        read; push: the decode engine, which prefill engines write into). None when this
+        rank has no such engine."""
         eng = self.prefill
+        if self.decode is not None and self.decode.config.mode == "push":
+            eng = self.decode
         if eng is None:
             return None
         return eng.compat_hash, encode_metadata(eng.metadata())
@@ -111,6 +123,8 @@ class WorkerSide:
             except ValueError as exc:
                 log.error("kvbridge: cannot load request %s: %s", ld.request_id, exc)
                 self._failed_now[ld.request_id] = ld.local_block_ids
+        if not orders.push.empty:
+            self._start_push(orders.push)
         if dec is not None:
             for verb, call, sources in (("release", dec.release, orders.releases),
                                         ("renew", dec.renew, orders.renewals)):
@@ -120,6 +134,69 @@ class WorkerSide:
                     except ValueError as exc:
                         log.warning("kvbridge: cannot %s request %s at %s: %s", verb,
                                     rp.transfer.request_id, rp.transfer.engine_id, exc)
+
+    def _start_push(self, orders: PushOrders) -> None:
+        pre, dec = self.prefill, self.decode
+        for p in orders.pushes:
+            if pre is None:
+                continue
+            if p.layerwise:
+                try:
+                    pre.push_start(p.request_id, p.block_ids, p.target)
+                except ValueError as exc:
+                    log.error("kvbridge: cannot push request %s: %s", p.request_id, exc)
+                    self._push_released.add(p.request_id)  # nothing holds its blocks
+                    continue
+            self._step_pushes.append(p)
+        for rid in orders.sent:
+            if rid in self._push_released or pre is None:
+                self._push_released.discard(rid)
+                self._free_now.add(rid)
+            else:
+                self._push_sent.add(rid)
+        for e in orders.expects:
+            if dec is None:
+                self._failed_now[e.request_id] = e.local_block_ids
+                continue
+            try:
+                dec.expect(e.request_id, e.prefill_engine_id, e.prefill_tp, e.token, e.local_block_ids,
+                           prefill_block_size=e.prefill_block_size,
+                           prefill_head_order=e.prefill_head_order,
+                           prefill_kernel_blocks_per_block=e.prefill_kernel_blocks_per_block)
+            except ValueError as exc:
+                log.error("kvbridge: cannot expect request %s: %s", e.request_id, exc)
+                self._failed_now[e.request_id] = e.local_block_ids
+        for rid, blocks in orders.failed:
+            self._failed_now[rid] = blocks
+
+    def save_layer(self, layer_name: str) -> None:
+        """Inside the forward pass, once vLLM wrote ``layer_name`` of this step: layered
+        pushes write that layer now."""
+        if not self._step_pushes or self.prefill is None:
+            return
+        idx = self._layer_index.get(layer_name)
+        if idx is None:
+            return
+        for p in self._step_pushes:
+            if p.layerwise:
+                try:
+                    self.prefill.push_layers(p.request_id, (idx,))
+                except ValueError as exc:  # the push failed meanwhile (reported by poll)
+                    log.debug("kvbridge: layer %s of %s not pushed: %s", layer_name, p.request_id, exc)
+
+    def finish_saves(self) -> None:
+        """After the forward pass: write what this step's pushes have not written yet."""
+        pushes, self._step_pushes = self._step_pushes, []
+        pre = self.prefill
+        for p in pushes:
+            try:
+                if p.layerwise:
+                    pre.push_finish(p.request_id)
+                else:
+                    pre.push(p.request_id, p.block_ids, p.target)
+            except ValueError as exc:
+                log.error("kvbridge: cannot push request %s: %s", p.request_id, exc)
+                self._push_released.add(p.request_id)
 
     def results(self) -> TransferResults:
         """Requests whose transfer ended on this rank since the last call; a failed
@@ -135,6 +212,11 @@ class WorkerSide:
                 if r.request_id in self._held:
                     self._held.discard(r.request_id)
                     sending.add(r.request_id)
+                elif r.request_id in self._push_sent:
+                    self._push_sent.discard(r.request_id)
+                    sending.add(r.request_id)
+                elif r.reason in ("written", "push-failed"):
+                    self._push_released.add(r.request_id)
         if self.decode is not None:
             ev = self.decode.poll()
             recving.update(ev.done)

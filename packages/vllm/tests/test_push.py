@@ -1,0 +1,187 @@
+"""Push mode through the connector's halves without vLLM: the decode scheduler offers its
+blocks to the prefill engine's side channel, the prefill workers write them layer by layer
+(or whole) over real NIXL agents, from real torch tensors in vLLM 0.32's cache layout."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from types import SimpleNamespace
+
+import pytest
+import torch
+from test_worker import BLOCK, CFG, NB, _caches, _free_port, _vllm_config
+
+from kvbridge.vllm import EngineRoles, SchedulerSide, StepOrders, WorkerSide, register_caches
+from kvbridge.vllm.pushing import TRANSFER_ID_KEY
+
+pytestmark = pytest.mark.timeout(120)
+
+PUSH = replace(CFG, mode="push")
+PREFILL, DECODE = EngineRoles(producer=True, consumer=False), EngineRoles(producer=False, consumer=True)
+
+
+class Engine:
+    def __init__(self, engine_id: str, roles: EngineRoles, seed: int | None, cfg=PUSH) -> None:
+        self.caches = _caches(seed)
+        self.port = _free_port()
+        self.sched = SchedulerSide(engine_id=engine_id, block_size=BLOCK, tp_size=1, config=cfg,
+                                   port=self.port, roles=roles)
+        self.worker = WorkerSide(0, roles)
+        reg = register_caches(_vllm_config(), SimpleNamespace(num_blocks=NB), self.caches, cfg,
+                              engine_id=engine_id, attention_backend="test")
+        self.layers = reg.layer_names
+        self.worker.register(reg.spec, reg.regions, reg.engine_config, incarnation=f"{engine_id}-1",
+                             address=(cfg.side_channel_host, self.port), layer_names=reg.layer_names)
+        self.sched.serve({0: self.worker.handshake()})
+        self.saved: list[str] = []
+
+    def step(self, forward: bool = False):
+        """One engine step: orders to the worker, the forward pass's saves, the results."""
+        orders = self.sched.state.take_orders()
+        self.sched.push.prefill_step(self.progress)
+        self.progress = []
+        orders = replace(orders, push=self.sched.push.take())
+        self.worker.start(orders)
+        if forward:
+            for name in self.layers:
+                self.saved.append(name)
+                self.worker.save_layer(name)
+        self.worker.finish_saves()
+        return orders, self.worker.results()
+
+    progress: list = []
+
+    def close(self) -> None:
+        self.worker.close()
+        self.sched.close()
+
+
+@pytest.fixture
+def engines():
+    p, d = Engine("P", PREFILL, seed=3), Engine("D", DECODE, seed=None)
+    yield p, d
+    d.close()
+    p.close()
+
+
+def _decode_params(p: Engine, tid: str) -> dict:
+    return {"do_remote_prefill": True, "transfer_mode": "push", TRANSFER_ID_KEY: tid,
+            "remote_host": "127.0.0.1", "remote_port": p.port}
+
+
+def _prefill_params(tid: str) -> dict:
+    return {"do_remote_decode": True, "transfer_mode": "push", TRANSFER_ID_KEY: tid}
+
+
+def _wait(cond, timeout=15.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return
+        time.sleep(0.005)
+    raise TimeoutError
+
+
+@pytest.mark.parametrize("layerwise", [True, False], ids=["layer-by-layer", "whole-request"])
+def test_decode_allocates_first_and_prefill_writes_into_its_blocks(layerwise) -> None:
+    p = Engine("P", PREFILL, seed=3, cfg=replace(PUSH, push_layerwise=layerwise))
+    d = Engine("D", DECODE, seed=None)
+    try:
+        dparams, pparams = _decode_params(p, "t-1"), _prefill_params("t-1")
+        # decode: the prompt is an asynchronous load of every token
+        assert d.sched.push.decode_matched("d-1", dparams, 40, 0) == (40, True)
+        # prefill: vLLM asks until the offer arrived
+        assert p.sched.push.prefill_matched("p-1", pparams, 40) == (None, False)
+        d.sched.push.decode_after_alloc("d-1", dparams, [[2, 9, 4]], 0, 40)
+        assert dparams["do_remote_prefill"] is False  # one transfer per request
+        _wait(lambda: p.sched.push.prefill_matched("p-1", pparams, 40) == (0, False))
+        p.sched.push.prefill_after_alloc("p-1", [[3, 5, 7, 11]])
+        # decode's next step expects the request (the accept named the prefill facts)
+        _wait(lambda: d.sched.push._expects)
+        orders, _ = d.step()
+        (exp,) = orders.push.expects
+        assert (exp.prefill_engine_id, exp.prefill_tp, exp.local_block_ids) == ("P", 1, (2, 9, 4))
+        # prefill computes the whole prompt in one step: its workers push during the forward pass
+        p.progress = [("p-1", 0, 40, None)]
+        orders, res = p.step(forward=True)
+        (push,) = orders.push.pushes
+        assert push.block_ids == (3, 5, 7) and push.target.block_ids == (2, 9, 4)
+        assert push.layerwise is layerwise
+        assert p.sched.push.prefill_finished("p-1") is True  # blocks stay until released
+        sent, recved = set(res.finished_sending), set()
+        end = time.monotonic() + 15
+        while not ("p-1" in sent and "d-1" in recved) and time.monotonic() < end:
+            recved |= d.step()[1].finished_recving
+            sent |= p.step()[1].finished_sending
+            time.sleep(0.005)
+        assert sent == {"p-1"} and recved == {"d-1"}
+        for name, pc in p.caches.items():
+            dc = d.caches[name]
+            for pb, db in ((3, 2), (5, 9), (7, 4)):
+                assert torch.equal(dc[db], pc[pb]), (name, pb, db)
+            assert not dc[1].any()  # nothing else written
+        transfers = p.worker.prefill.stats.transfers
+        assert transfers == (len(p.layers) if layerwise else 1)
+        assert d.worker.decode.stats.notifications_unknown == 0
+        assert not p.sched.push.pending and not d.sched.push.pending
+    finally:
+        d.close()
+        p.close()
+
+
+def test_prefill_blocks_are_freed_only_after_the_scheduler_said_finished(engines) -> None:
+    p, d = engines
+    dparams, pparams = _decode_params(p, "t-2"), _prefill_params("t-2")
+    d.sched.push.decode_after_alloc("d-2", dparams, [[1]], 0, 16)
+    _wait(lambda: p.sched.push.prefill_matched("p-2", pparams, 16) == (0, False))
+    p.sched.push.prefill_after_alloc("p-2", [[6]])
+    _wait(lambda: d.sched.push._expects)
+    d.step()
+    p.progress = [("p-2", 0, 16, None)]
+    p.step(forward=True)
+    # the push is released on the prefill worker before vLLM finished the request
+    _wait(lambda: (d.step(), p.step()) and "p-2" in p.worker._push_released)
+    assert p.sched.push.prefill_finished("p-2")
+    _, res = p.step()
+    assert res.finished_sending == {"p-2"}
+
+
+def test_a_chunked_prompt_is_pushed_with_its_last_chunk(engines) -> None:
+    p, d = engines
+    dparams, pparams = _decode_params(p, "t-3"), _prefill_params("t-3")
+    d.sched.push.decode_after_alloc("d-3", dparams, [[1, 2, 3]], 0, 40)
+    _wait(lambda: p.sched.push.prefill_matched("p-3", pparams, 40) == (0, False))
+    p.sched.push.prefill_after_alloc("p-3", [[4]])
+    p.progress = [("p-3", 0, 16, None)]
+    assert p.step()[0].push.pushes == ()
+    p.progress = [("p-3", 16, 24, ([8, 9],))]
+    (push,) = p.step()[0].push.pushes
+    assert push.block_ids == (4, 8, 9)
+
+
+def test_an_offer_to_a_dead_prefill_fails_the_load_with_its_blocks(engines) -> None:
+    _, d = engines
+    dparams = _decode_params(SimpleNamespace(port=_free_port()), "t-4")
+    d.sched.push.decode_after_alloc("d-4", dparams, [[5, 6]], 0, 30)
+    _wait(lambda: d.sched.push._failed, timeout=30)
+    orders, res = d.step()
+    assert orders.push.failed == (("d-4", (5, 6)),)
+    assert res.failed_recving == {"d-4"} and res.finished_recving == {"d-4"}
+    assert d.worker.take_invalid_blocks() == {5, 6}
+
+
+def test_a_prefill_request_without_an_offer_is_computed_after_the_wait(engines) -> None:
+    p, _ = engines
+    p.sched.push.wait_s = 0.05
+    assert p.sched.push.prefill_matched("p-5", _prefill_params("nobody"), 8) == (None, False)
+    time.sleep(0.1)
+    assert p.sched.push.prefill_matched("p-5", _prefill_params("nobody"), 8) == (0, False)
+    assert p.sched.push.prefill_finished("p-5") is False
+
+
+def test_bad_push_params_are_computed_locally(engines) -> None:
+    p, d = engines
+    assert d.sched.push.decode_matched("x", {"transfer_mode": "push", "do_remote_prefill": True}, 8, 0) == (0, False)
+    assert p.sched.push.prefill_matched("y", {"transfer_mode": "push", "do_remote_decode": True}, 8) == (0, False)
+    assert StepOrders().empty
