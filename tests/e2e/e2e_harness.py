@@ -24,7 +24,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -270,6 +270,13 @@ KVBRIDGE_CONNECTOR = ConnectorUnderTest(
     handshake_log_scale=1e-3,
 )
 
+def kvbridge_push(layerwise: bool = True) -> ConnectorUnderTest:
+    """kvbridge in push mode: prefill writes into decode's blocks, layer by layer or whole."""
+    return replace(KVBRIDGE_CONNECTOR, label="kvbridge-push" + ("" if layerwise else "-whole"),
+                   extra_config={**KVBRIDGE_CONNECTOR.extra_config, "mode": "push",
+                                 "push_layerwise": layerwise})
+
+
 #: Connectors the bench and tests know by name.
 CONNECTORS: dict[str, ConnectorUnderTest] = {"kvbridge": KVBRIDGE_CONNECTOR,
                                              "nixl": NIXL_CONNECTOR}
@@ -472,6 +479,10 @@ class DisaggRun:
     def decode_finish_reasons(self, round_: int = 0) -> list[str | None]:
         return [o["finish_reason"] for o in self.decode["rounds"][round_]["outputs"]]
 
+    def prefill_figures(self) -> dict[str, float]:
+        """The prefill engine's transfer figures (push mode writes from there)."""
+        return transfer_figures(self, side="prefill")
+
 
 def run_baseline(model: Path, prompts: list[list[int]], max_tokens: int, workdir: Path, *,
                  engine: EngineConfig = EngineConfig(), deadline_s: float = 900,
@@ -499,6 +510,7 @@ def run_disaggregated(
     stagger: bool | None = None,
     deadline_s: float = 1200,
     python: str | None = None,
+    push: bool = False,
 ) -> DisaggRun:
     """Prefill and decode engines as two processes, hand-over through files.
 
@@ -512,6 +524,11 @@ def run_disaggregated(
     this matters: a prefill engine holding blocks keeps its engine loop stepping
     and its NIXL progress threads spinning, which starved a starting decode
     engine for minutes (long enough for the lease to lapse).
+
+    With ``push`` (kvbridge's push mode; ``connector`` must configure it) both
+    engines get every request at once: decode allocates and offers its blocks to
+    prefill's side channel, prefill writes them. Staggering then starts the decode
+    engine once the prefill engine is up.
     """
     if stagger is None:
         stagger = prefill.tp > 1 or decode.tp > 1
@@ -529,6 +546,10 @@ def run_disaggregated(
                   kv_transfer_config=connector.kv_transfer_config("decode", host, d_port))
     if kill_prefill_before_pull:
         d_spec["gate"] = True
+    if push:
+        prefix = f"push-{os.getpid()}-{time.monotonic_ns()}"
+        p_spec.update(push={}, push_prefix=prefix)
+        d_spec.update(push={"host": host, "port": p_port}, push_prefix=prefix)
     p = EngineProcess("prefill", p_spec, workdir,
                       {**prefill.env(), **connector.engine_env(host, p_port, timings=timings)}, python)
     d = EngineProcess("decode", d_spec, workdir,
@@ -537,7 +558,8 @@ def run_disaggregated(
     prefill_exit: int | None = 0
     try:
         if stagger:
-            _wait_file(exchange / "prefill_r0.json", [p], deadline_s, "prefill round 0")
+            first = "prefill.ready" if push else "prefill_r0.json"
+            _wait_file(exchange / first, [p], deadline_s, "prefill " + first)
             set_session_nice(p, 19)
         d.start()
         if stagger:
@@ -625,8 +647,10 @@ def transfer_problems(run: DisaggRun) -> list[str]:
     return problems
 
 
-def transfer_figures(run: DisaggRun, round_: int | None = None) -> dict[str, float]:
-    """Transfer count, seconds, bytes and GB/s seen by the decode engine.
+def transfer_figures(run: DisaggRun, round_: int | None = None, side: str = "decode"
+                     ) -> dict[str, float]:
+    """Transfer count, seconds, bytes and GB/s seen by the decode engine (or, with
+    ``side="prefill"``, by the prefill engine: push mode's WRITEs).
 
     With ``round_`` the figures cover only that round (difference of the metrics
     snapshots around it); otherwise the whole run.
@@ -634,12 +658,13 @@ def transfer_figures(run: DisaggRun, round_: int | None = None) -> dict[str, flo
     c = run.connector
     if c.transfer_time_metric is None:
         return {}
-    rounds = run.decode["rounds"]
+    res = run.decode if side == "decode" else run.prefill
+    rounds = res["rounds"]
     if round_ is None:
-        before: Sequence[Mapping[str, Any]] = run.decode.get("metrics_start", [])
-        after = run.decode.get("metrics_end") or rounds[-1]["metrics"]
+        before: Sequence[Mapping[str, Any]] = res.get("metrics_start", [])
+        after = res.get("metrics_end") or rounds[-1]["metrics"]
     else:
-        before = rounds[round_ - 1]["metrics"] if round_ > 0 else run.decode.get("metrics_start", [])
+        before = rounds[round_ - 1]["metrics"] if round_ > 0 else res.get("metrics_start", [])
         after = rounds[round_]["metrics"]
     n1, t1 = histogram(after, c.transfer_time_metric)
     n0, t0 = histogram(before, c.transfer_time_metric)

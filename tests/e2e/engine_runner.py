@@ -19,6 +19,10 @@ SPEC is a JSON object (the harness in ``e2e_harness.py`` writes it):
     wait_timeout_s  longest wait for the other side's file in a round (default 600)
     gate            decode: also wait for gate_r{r} (written by the harness) before
                     using round r's parameters
+    push            push mode (kvbridge): both engines get the request at once, with a
+                    shared transfer id "{push_prefix}-r{r}-{i}"; decode: {"host", "port"}
+                    of the prefill side channel; prefill: {}. Each engine waits for the
+                    other's ``.ready`` file before round 0
     flush_after_release
                     prefill: after the last round, run one tiny local request so the
                     workers' finished sends and connector stats reach the metrics
@@ -181,6 +185,19 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     _log(f"engine ready in {start_s:.1f} s")
     if exchange is not None:
         (exchange / f"{role}.ready").touch()
+    push = spec.get("push")
+    if push is not None:
+        assert exchange is not None
+        other = "decode" if role == "prefill" else "prefill"
+        _wait_for(exchange / f"{other}.ready", exchange, wait_timeout, f"{other} engine start",
+                  yield_cpu=role == "decode")
+
+    def push_params(r: int, i: int) -> dict[str, Any]:
+        tid = f"{spec.get('push_prefix', 'kvb')}-r{r}-{i}"
+        if role == "prefill":
+            return {"do_remote_decode": True, "transfer_mode": "push", "kvbridge_transfer_id": tid}
+        return {"do_remote_prefill": True, "transfer_mode": "push", "kvbridge_transfer_id": tid,
+                "remote_host": push["host"], "remote_port": int(push["port"])}
 
     max_tokens = 1 if role == "prefill" else int(spec["max_tokens"])
 
@@ -200,8 +217,11 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         "rounds": [],
     }
     for r in range(rounds):
-        if role == "prefill":
-            params: list[dict[str, Any] | None] = [{"do_remote_decode": True} for _ in prompts]
+        waited_s = 0.0
+        if push is not None and role != "baseline":
+            params: list[dict[str, Any] | None] = [push_params(r, i) for i in range(len(prompts))]
+        elif role == "prefill":
+            params = [{"do_remote_decode": True} for _ in prompts]
         elif role == "decode":
             assert exchange is not None
             src = exchange / f"prefill_r{r}.json"

@@ -32,7 +32,7 @@ def _accept(offer: PushOffer) -> PushAccept:
 def _offer(port, transfer_id="t-1", **kw):
     args = dict(transfer_id=transfer_id, engine_id="decode-0", address=("127.0.0.1", 4321), tp_size=1,
                 block_size=32, block_ids=[[7, 3, 9]], token="tok", computed_tokens=32,
-                incarnation="d-inc", timeout=2.0, retries=0)
+                incarnation="d-inc", request_id="req-7", timeout=2.0, retries=0)
     args.update(kw)
     return send_push_offer("127.0.0.1", port, **args)
 
@@ -56,7 +56,8 @@ def test_an_offer_reaches_the_handler_and_the_accept_comes_back(taken):
     (o,) = taken
     assert (o.transfer_id, o.engine_id, o.host, o.port, o.tp_size, o.block_size) == (
         "t-1", "decode-0", "127.0.0.1", 4321, 1, 32)
-    assert (o.block_ids, o.token, o.computed_tokens, o.incarnation) == ([[7, 3, 9]], "tok", 32, "d-inc")
+    assert (o.block_ids, o.token, o.computed_tokens, o.incarnation, o.request_id) == (
+        [[7, 3, 9]], "tok", 32, "d-inc", "req-7")
 
 
 def test_a_refused_offer_says_why(taken):

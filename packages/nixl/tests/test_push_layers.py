@@ -163,3 +163,22 @@ def test_layered_push_needs_push_mode():
             pair.pre[0].push_start("a", [1], TransferParams("decode", "127.0.0.1", 1, 1, (1,), "t"))
     finally:
         pair.close()
+
+
+@pytest.mark.parametrize("layered", [False, True])
+def test_notifications_name_the_decode_engines_request_id(pair, layered):
+    d_blocks, p_blocks = [6], [3]
+    kv = _fill(pair, p_blocks, seed=9)
+    pair.dec.expect("dec-9", "prefill", pair.p_spec.tp_size, "tok-9", d_blocks)
+    host, port = pair.dec.address
+    target = TransferParams("decode", host, port, 1, tuple(d_blocks), "tok-9", request_id="dec-9")
+    for e in pair.pre:
+        if layered:
+            e.push_start("pre-9", p_blocks, target)
+            e.push_finish("pre-9")
+        else:
+            e.push("pre-9", p_blocks, target)
+    done, failed, released = pair.run(lambda d, f, r: d and len(r) == 2)
+    assert done == ["dec-9"] and not failed
+    assert {r.request_id for r in released} == {"pre-9"}
+    assert pair.dc.verify(kv, d_blocks, 0, pair.p_spec.block_size) == 0

@@ -109,13 +109,16 @@ def test_decode_allocates_first_and_prefill_writes_into_its_blocks(layerwise) ->
         assert push.block_ids == (3, 5, 7) and push.target.block_ids == (2, 9, 4)
         assert push.layerwise is layerwise
         assert p.sched.push.prefill_finished("p-1") is True  # blocks stay until released
-        sent, recved = set(res.finished_sending), set()
+        sent, recved, failed = set(res.finished_sending), set(), set()
         end = time.monotonic() + 15
         while not ("p-1" in sent and "d-1" in recved) and time.monotonic() < end:
-            recved |= d.step()[1].finished_recving
+            dres = d.step()[1]
+            recved |= dres.finished_recving
+            failed |= dres.failed_recving
             sent |= p.step()[1].finished_sending
             time.sleep(0.005)
-        assert sent == {"p-1"} and recved == {"d-1"}
+        assert sent == {"p-1"} and recved == {"d-1"} and failed == set()
+        assert d.worker.decode.stats.requests_done == 1
         for name, pc in p.caches.items():
             dc = d.caches[name]
             for pb, db in ((3, 2), (5, 9), (7, 4)):

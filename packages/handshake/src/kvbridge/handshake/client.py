@@ -355,6 +355,7 @@ def send_push_offer(
     token: str,
     computed_tokens: int = 0,
     incarnation: str = "",
+    request_id: str = "",
     timeout: float = 5.0,
     retries: int = 2,
     auth_key: str | bytes | None = None,
@@ -364,7 +365,8 @@ def send_push_offer(
 
     ``engine_id`` / ``address`` / ``tp_size`` / ``block_size`` / ``incarnation``
     describe this (decode) engine and its side channel; ``block_ids`` hold one
-    list per KV-cache group. Returns the prefill engine's accept. Raises
+    list per KV-cache group; ``request_id`` is this engine's id of the request
+    (named in the prefill ranks' WRITTEN notifications). Returns the prefill engine's accept. Raises
     :class:`~kvbridge.handshake.RequestRejected` when it refuses the offer (the
     message says why), :class:`~kvbridge.handshake.HandshakeTimeout` /
     :class:`~kvbridge.handshake.PeerUnreachable` when it does not answer, and
@@ -376,7 +378,8 @@ def send_push_offer(
     fields = dict(protocol_version=wire.PROTOCOL_VERSION, transfer_id=transfer_id,
                   engine_id=engine_id, host=address[0], port=int(address[1]), tp_size=tp_size,
                   block_size=block_size, block_ids=[[int(b) for b in g] for g in block_ids],
-                  token=token, computed_tokens=computed_tokens, incarnation=incarnation)
+                  token=token, computed_tokens=computed_tokens, incarnation=incarnation,
+                  request_id=request_id)
 
     def make() -> wire.PushOffer:
         offer = wire.PushOffer(nonce=int.from_bytes(os.urandom(8), "little") >> 1,

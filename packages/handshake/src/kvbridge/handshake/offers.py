@@ -37,7 +37,7 @@ _CANON = msgspec.msgpack.Encoder()
 def _offer_fields(o: wire.PushOffer) -> bytes:
     return _CANON.encode([o.protocol_version, o.transfer_id, o.engine_id, o.host, o.port,
                           o.tp_size, o.block_size, o.block_ids, o.token, o.computed_tokens,
-                          o.incarnation, o.nonce, o.sent_ms])
+                          o.incarnation, o.request_id, o.nonce, o.sent_ms])
 
 
 def _accept_fields(a: wire.PushAccept) -> bytes:

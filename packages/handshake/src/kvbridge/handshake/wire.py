@@ -85,6 +85,8 @@ class PushOffer(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind", tag
     token: Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
     computed_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
     incarnation: Annotated[str, msgspec.Meta(max_length=256)] = ""
+    #: the decode engine's id of the request (its WRITTEN notifications name it)
+    request_id: Annotated[str, msgspec.Meta(max_length=1024)] = ""
     nonce: int = 0
     sent_ms: int = 0
     auth: bytes = b""

@@ -77,7 +77,8 @@ class TransferParams:
     Push mode: where a prefill engine writes a request (:meth:`PrefillEngine.push`):
     the decode engine's address, TP size, blocks and the token it expects, and
     ``computed_tokens``, the tokens the decode engine already holds (a prefix hit:
-    ``block_ids`` start after them).
+    ``block_ids`` start after them). ``request_id`` is the decode engine's id of the
+    request, named in the WRITTEN notifications (empty: the prefill side's id).
     """
 
     engine_id: str

@@ -286,8 +286,9 @@ class PushWrites(PrefillMode):
 
     def _written(self, p: Push) -> bytes:
         e = self.engine
-        return encode_notification(Notification(Kind.WRITTEN, p.request_id, e.spec.tp_size, e.rank,
-                                                p.target.token), e.notif_key)
+        # named by the decode engine's id of the request when the target gives one
+        return encode_notification(Notification(Kind.WRITTEN, p.target.request_id or p.request_id,
+                                                e.spec.tp_size, e.rank, p.target.token), e.notif_key)
 
     def on_event(self, event: tuple) -> None:
         _, p, parts, err = event

@@ -226,7 +226,7 @@ class PushState:
                 continue  # the decode engine needs nothing (all of it cached there)
             target = TransferParams(engine_id=o.engine_id, host=o.host, port=o.port, tp_size=o.tp_size,
                                     block_ids=target_ids, token=o.token, incarnation=o.incarnation,
-                                    computed_tokens=o.computed_tokens)
+                                    request_id=o.request_id, computed_tokens=o.computed_tokens)
             self._pushes.append(PushOrder(rid, ids, target, self.layerwise))
             w.pushed = True
 
@@ -276,7 +276,7 @@ class PushState:
         fields = dict(transfer_id=tid, engine_id=self.engine_id, address=self.address,
                       tp_size=self.tp_size, block_size=self.block_size, block_ids=groups,
                       token=token, computed_tokens=computed_blocks * self.block_size,
-                      incarnation=self.incarnation)
+                      incarnation=self.incarnation, request_id=request_id)
         if not groups or not groups[0]:
             self._submit(lambda: self._offer(request_id, host, port, fields, expect=False))
         else:
