@@ -274,7 +274,10 @@ def kvbridge_push(layerwise: bool = True) -> ConnectorUnderTest:
     """kvbridge in push mode: prefill writes into decode's blocks, layer by layer or whole."""
     return replace(KVBRIDGE_CONNECTOR, label="kvbridge-push" + ("" if layerwise else "-whole"),
                    extra_config={**KVBRIDGE_CONNECTOR.extra_config, "mode": "push",
-                                 "push_layerwise": layerwise})
+                                 "push_layerwise": layerwise},
+                   failure_log_patterns=(*KVBRIDGE_CONNECTOR.failure_log_patterns,
+                                         r"push offer to \S+ failed", r"kvbridge: cannot (push|expect)",
+                                         r"push of \S+ failed", r"no decode engine offered blocks"))
 
 
 #: Connectors the bench and tests know by name.

@@ -182,3 +182,33 @@ def test_notifications_name_the_decode_engines_request_id(pair, layered):
     assert done == ["dec-9"] and not failed
     assert {r.request_id for r in released} == {"pre-9"}
     assert pair.dc.verify(kv, d_blocks, 0, pair.p_spec.block_size) == 0
+
+
+def test_the_worker_thread_runs_on_the_cpus_it_was_given():
+    """An engine built by a thread bound to one CPU (as vLLM binds its CPU workers) still
+    posts and copies on every CPU given in worker_cpus."""
+    import os
+    import threading
+
+    if not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs Linux and two CPUs")
+    built = {}
+
+    def build():
+        os.sched_setaffinity(0, {0})  # this thread only
+        built["pair"] = Pair(replace(PUSH, worker_cpus=(0, 1)))
+        built["inherit"] = Pair(PUSH)
+
+    t = threading.Thread(target=build)
+    t.start()
+    t.join()
+    try:
+        wide, narrow = built["pair"], built["inherit"]
+        for e in (wide.dec, *wide.pre):
+            assert os.sched_getaffinity(e._worker._thread.native_id) == {0, 1}
+        for e in (narrow.dec, *narrow.pre):  # inherited from the building thread
+            assert os.sched_getaffinity(e._worker._thread.native_id) == {0}
+        assert os.sched_getaffinity(0) != {0}  # the test's own thread was never narrowed
+    finally:
+        for p in built.values():
+            p.close()

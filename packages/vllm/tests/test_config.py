@@ -153,6 +153,24 @@ def test_push_mode_is_served_layer_by_layer_unless_told_otherwise() -> None:
         parse_connector_config({"push_layerwise": "sometimes"}, env={})
 
 
+def test_transfer_cpus_choose_where_the_transfer_thread_runs() -> None:
+    import os
+
+    from kvbridge.vllm.registration import engine_config
+
+    def worker_cpus(extra, env=None):
+        cfg = parse_connector_config(extra, env=env or {})
+        return engine_config(cfg, mem_type="DRAM", model="m", attention_backend="b").worker_cpus
+
+    assert worker_cpus({}) == tuple(range(os.cpu_count()))
+    assert worker_cpus({"transfer_cpus": "inherit"}) is None
+    assert worker_cpus({}, {"KVBRIDGE_TRANSFER_CPUS": "1,0"}) == (1, 0)
+    assert worker_cpus({"transfer_cpus": [3]}) == (3,)
+    for bad in ("some", [], [-1], "1,x"):
+        with pytest.raises(ConfigError, match="transfer_cpus'\\] must be 'all', 'inherit'"):
+            parse_connector_config({"transfer_cpus": bad}, env={})
+
+
 KEY = "0123456789abcdef-shared-by-both"
 
 

@@ -22,6 +22,7 @@ from .config import (
     HandshakeFailed,
     TransferParams,
     TransferRecord,
+    all_cpus,
     engine_compat_hash,
 )
 from .decode import DecodeEngine
@@ -42,5 +43,5 @@ __all__ = [
     "Failed", "FailureKind", "HandshakeFailed", "Kind", "NixlAgent", "NixlError", "Notification",
     "PrefillEngine", "PrefillLedger", "PreparedList", "Released", "Stats", "Telemetry",
     "Transfer", "TransferParams", "TransferRecord", "encode_notification", "engine_compat_hash", "new_token", "notification_key",
-    "parse_notification",
+    "parse_notification", "all_cpus",
 ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, replace
 
 from kvbridge.handshake import HandshakeError, compatibility_hash, normalize_key
@@ -43,6 +44,10 @@ class EngineConfig:
     #: (``AgentConfig.progress_thread``), a peer's connection set-up waits for this
     #: side's next poll()
     progress_interval_s: float = 0.001
+    #: CPUs the engine's worker thread (handshakes, posting READs and WRITEs, which over
+    #: UCX in host memory copy in the posting thread) runs on; None: the CPUs of the thread
+    #: that built the engine. See :func:`all_cpus`
+    worker_cpus: tuple[int, ...] | None = None
     #: keep one :class:`TransferRecord` per finished transfer (drain with ``take_records()``);
     #: at most ``max_records`` are kept between drains
     record_transfers: bool = False
@@ -59,9 +64,19 @@ class EngineConfig:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive seconds")
         normalize_key(self.auth_key)  # raises ValueError with advice
+        if self.worker_cpus is not None and (not self.worker_cpus or any(
+                isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in self.worker_cpus)):
+            raise ValueError(f"worker_cpus must be None or a non-empty tuple of CPU numbers, got "
+                             f"{self.worker_cpus!r}")
         if not 0 <= self.progress_interval_s <= 1:
             raise ValueError(f"progress_interval_s must be within [0, 1] seconds, got "
                              f"{self.progress_interval_s!r}")
+
+
+def all_cpus() -> tuple[int, ...]:
+    """Every CPU this machine has online (for ``EngineConfig.worker_cpus``: a worker
+    thread free to run beside a process whose other threads are bound to one core)."""
+    return tuple(range(os.cpu_count() or 1))
 
 
 @dataclass(frozen=True)

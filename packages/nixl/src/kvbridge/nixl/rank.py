@@ -126,7 +126,8 @@ class RankEngine:
         self._metadata: AgentMetadata | None = None
         self._zmq = zmq.Context(io_threads=1)
         self._events: queue.Queue[tuple] = queue.Queue()
-        self._worker = Worker(self.agent, f"kvbridge-handshake-{rank}", self.config.progress_interval_s)
+        self._worker = Worker(self.agent, f"kvbridge-handshake-{rank}", self.config.progress_interval_s,
+                              cpus=self.config.worker_cpus)
         self.peers = PeerTable(self.agent, self.stats, self._start_handshake)
         self._orphans: list[Transfer] = []  # handles NIXL refused to release yet
         self._closed = False

@@ -7,14 +7,20 @@ thread by putting events on a queue the engine drains in ``poll()``. Between
 jobs the worker lets NIXL progress (``NixlAgent.progress``) every
 ``progress_interval_s`` seconds, since the engines run without NIXL's own
 progress thread. Nothing a job raises stops the thread.
+
+``cpus`` pins the thread to those CPUs (Linux; best effort). An engine embedded in
+a process whose threads are bound to one core (vLLM's CPU workers) otherwise
+copies host memory on that core, between the forward pass's own work; on
+other CPUs the copies overlap the computation.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from .agent import NixlAgent
 
@@ -26,9 +32,13 @@ Job = Callable[[], None]
 class Worker:
     """One background thread that runs :data:`Job` callables in submission order."""
 
-    def __init__(self, agent: NixlAgent, name: str, progress_interval_s: float) -> None:
+    def __init__(self, agent: NixlAgent, name: str, progress_interval_s: float,
+                 cpus: Sequence[int] | None = None) -> None:
         self._agent = agent
         self._interval = progress_interval_s
+        self._cpus = None if cpus is None else tuple(cpus)
+        #: the CPUs the thread runs on once started (None: as inherited)
+        self.cpus: frozenset[int] | None = None
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -42,7 +52,18 @@ class Worker:
         self._jobs.put(None)
         self._thread.join(timeout=timeout_s)
 
+    def _pin(self) -> None:
+        if self._cpus is None or not hasattr(os, "sched_setaffinity"):
+            return
+        try:
+            os.sched_setaffinity(0, self._cpus)  # 0: this thread (Linux sets per thread)
+            self.cpus = frozenset(os.sched_getaffinity(0))
+        except OSError as exc:
+            log.warning("%s: cannot run on CPUs %s (%s); it stays on the CPUs it inherited",
+                        self._thread.name, list(self._cpus), exc)
+
     def _run(self) -> None:
+        self._pin()
         while True:
             try:
                 job = self._jobs.get(timeout=self._interval) if self._interval else self._jobs.get()

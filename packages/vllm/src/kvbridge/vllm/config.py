@@ -42,6 +42,8 @@ class ConnectorConfig:
 
     mode: Mode = "pull"
     push_layerwise: bool = True
+    #: "all", "inherit" or CPU numbers (see CONFIG_KEYS)
+    transfer_cpus: str | tuple[int, ...] = "all"
     backends: tuple[str, ...] = ("UCX",)
     ucx_threads: int = 1
     progress_thread: bool = False
@@ -104,6 +106,10 @@ CONFIG_KEYS: tuple[ConfigKey, ...] = (
     ConfigKey("push_layerwise", ("KVBRIDGE_PUSH_LAYERWISE",),
               "push mode: write each layer as soon as vLLM computed it, overlapping the rest of "
               "the prefill (false: write the whole request after the forward pass)"),
+    ConfigKey("transfer_cpus", ("KVBRIDGE_TRANSFER_CPUS",),
+              "CPUs of each worker's transfer thread (it posts READs/WRITEs; in host memory it "
+              "copies): 'all' (any online CPU, not only the core vLLM binds the worker to), "
+              "'inherit', or a list of CPU numbers (environment: comma-separated)"),
     ConfigKey("backends", ("KVBRIDGE_BACKENDS",),
               "NIXL backends, a list (environment: comma-separated)"),
     ConfigKey("ucx_threads", ("KVBRIDGE_UCX_THREADS",),
@@ -218,6 +224,21 @@ def _backends(key: str, value: Any, env_var: str | None) -> tuple[str, ...]:
     return names
 
 
+def _cpus(key: str, value: Any, env_var: str | None) -> str | tuple[int, ...]:
+    if isinstance(value, str) and value.strip().lower() in ("all", "inherit"):
+        return value.strip().lower()
+    items = value.split(",") if isinstance(value, str) else value
+    if isinstance(items, (list, tuple)) and items:
+        try:
+            cpus = tuple(_int(key, v, env_var, lo=0, hi=1 << 16) for v in items)
+        except ConfigError:
+            cpus = ()
+        if cpus:
+            return cpus
+    raise ConfigError(f"{_where(key, env_var)} must be 'all', 'inherit' or a list of CPU numbers, "
+                      f"got {value!r}")
+
+
 def _auth_key(key: str, value: Any, env_var: str | None) -> str:
     if not isinstance(value, str):
         raise ConfigError(f"{_where(key, env_var)} must be a string (the shared secret), got a "
@@ -248,6 +269,7 @@ _PARSERS: dict[str, Callable[[str, Any, str | None], Any]] = {
     "enforce_compat": _bool,
     "progress_thread": _bool,
     "push_layerwise": _bool,
+    "transfer_cpus": _cpus,
     "huge_pages": _bool,
     "side_channel_host": _host,
     "side_channel_port": lambda k, v, e: _int(k, v, e, lo=1, hi=65535),

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvbridge.memory import CacheRegions, regions_from_kv_caches
-from kvbridge.nixl import AgentConfig, EngineConfig
+from kvbridge.nixl import AgentConfig, EngineConfig, all_cpus
 from kvbridge.topology import EngineSpec
 from kvbridge.vllm.cachespec import (
     LayerTensor,
@@ -72,6 +72,8 @@ def engine_config(cfg: ConnectorConfig, *, mem_type: str, model: str,
         transfer_timeout_s=cfg.transfer_timeout_seconds, mem_type=mem_type,
         model=model, attention_backend=attention_backend, enforce_compat=cfg.enforce_compat,
         record_transfers=True, huge_pages=cfg.huge_pages, auth_key=cfg.auth_key,
+        worker_cpus=(all_cpus() if cfg.transfer_cpus == "all" else
+                     None if cfg.transfer_cpus == "inherit" else tuple(cfg.transfer_cpus)),
     )
 
 
