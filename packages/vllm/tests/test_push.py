@@ -37,17 +37,18 @@ class Engine:
         self.saved: list[str] = []
 
     def step(self, forward: bool = False):
-        """One engine step: orders to the worker, the forward pass's saves, the results."""
+        """One engine step in vLLM 0.32's order: the metadata is bound, the forward pass
+        saves each layer, then start_load_kv, wait_for_save and the results."""
         orders = self.sched.state.take_orders()
         self.sched.push.prefill_step(self.progress)
         self.progress = []
         orders = replace(orders, push=self.sched.push.take())
-        self.worker.start(orders)
         if forward:
             for name in self.layers:
                 self.saved.append(name)
-                self.worker.save_layer(name)
-        self.worker.finish_saves()
+                self.worker.save_layer(name, orders.push)
+        self.worker.start(orders)
+        self.worker.finish_saves(orders.push)
         return orders, self.worker.results()
 
     progress: list = []

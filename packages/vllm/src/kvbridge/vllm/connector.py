@@ -337,8 +337,9 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         return KVBridgeHandshake(self._w().rank, *hs)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        """Worker, every step before the forward pass, with this step's metadata bound:
-        carries out the orders (holds, loads, releases, renewals) without waiting."""
+        """Worker, every step with this step's metadata bound (vLLM 0.32: after the
+        forward pass unless the step loads synchronously): carries out the orders
+        (holds, loads, releases, renewals, push expectations) without waiting."""
         meta = self._connector_metadata
         if isinstance(meta, KVBridgeConnectorMetadata):
             self._w().start(meta.orders)
@@ -355,7 +356,9 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         engine's worker thread, so the copy overlaps the rest of the forward pass. Pull
         mode: nothing (the decode side reads the blocks)."""
         if self._worker is not None:
-            self._worker.save_layer(layer_name)
+            meta = self._connector_metadata
+            self._worker.save_layer(layer_name, meta.orders.push
+                                    if isinstance(meta, KVBridgeConnectorMetadata) else None)
 
     def wait_for_save(self) -> None:
         """Worker, every step after the forward pass: push mode writes what the layers did
@@ -363,7 +366,9 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         blocks stay allocated until the workers report the push released. Pull mode:
         nothing (blocks are held in place)."""
         if self._worker is not None:
-            self._worker.finish_saves()
+            meta = self._connector_metadata
+            self._worker.finish_saves(meta.orders.push
+                                      if isinstance(meta, KVBridgeConnectorMetadata) else None)
 
     def _results(self) -> TransferResults:
         return self._w().results()

@@ -69,6 +69,8 @@ class WorkerSide:
         self._step_pushes: list[PushOrder] = []  # this step's writes (saved in the forward pass)
         self._push_sent: set[str] = set()  # finished in the scheduler: report once released
         self._push_released: set[str] = set()  # released before the scheduler said finished
+        self._begun: PushOrders | None = None  # the step whose pushes are open
+        self._unknown_layers: set[str] = set()
 
     # ----- registration ----------------------------------------------------
     def register(self, spec: EngineSpec, regions: CacheRegions, config: EngineConfig, *,
@@ -135,8 +137,14 @@ class WorkerSide:
                         log.warning("kvbridge: cannot %s request %s at %s: %s", verb,
                                     rp.transfer.request_id, rp.transfer.engine_id, exc)
 
-    def _start_push(self, orders: PushOrders) -> None:
-        pre, dec = self.prefill, self.decode
+    def begin_saves(self, orders: PushOrders) -> None:
+        """Open this step's pushes (once per step: vLLM 0.32 binds a step's metadata before
+        the forward pass but calls ``start_load_kv`` after it, so the first
+        ``save_kv_layer`` opens them)."""
+        if orders is self._begun:
+            return
+        self._begun = orders
+        pre = self.prefill
         for p in orders.pushes:
             if pre is None:
                 continue
@@ -148,6 +156,10 @@ class WorkerSide:
                     self._push_released.add(p.request_id)  # nothing holds its blocks
                     continue
             self._step_pushes.append(p)
+
+    def _start_push(self, orders: PushOrders) -> None:
+        self.begin_saves(orders)
+        pre, dec = self.prefill, self.decode
         for rid in orders.sent:
             if rid in self._push_released or pre is None:
                 self._push_released.discard(rid)
@@ -169,13 +181,20 @@ class WorkerSide:
         for rid, blocks in orders.failed:
             self._failed_now[rid] = blocks
 
-    def save_layer(self, layer_name: str) -> None:
+    def save_layer(self, layer_name: str, orders: PushOrders | None = None) -> None:
         """Inside the forward pass, once vLLM wrote ``layer_name`` of this step: layered
-        pushes write that layer now."""
+        pushes write that layer now (``orders``: the step's push orders, opened here
+        the first time)."""
+        if orders is not None and orders.pushes:
+            self.begin_saves(orders)
         if not self._step_pushes or self.prefill is None:
             return
         idx = self._layer_index.get(layer_name)
         if idx is None:
+            if layer_name not in self._unknown_layers:
+                self._unknown_layers.add(layer_name)
+                log.warning("kvbridge: layer %r is not a registered cache layer; pushes write it "
+                            "with the request's remaining layers after the forward pass", layer_name)
             return
         for p in self._step_pushes:
             if p.layerwise:
@@ -184,8 +203,10 @@ class WorkerSide:
                 except ValueError as exc:  # the push failed meanwhile (reported by poll)
                     log.debug("kvbridge: layer %s of %s not pushed: %s", layer_name, p.request_id, exc)
 
-    def finish_saves(self) -> None:
+    def finish_saves(self, orders: PushOrders | None = None) -> None:
         """After the forward pass: write what this step's pushes have not written yet."""
+        if orders is not None and orders.pushes:
+            self.begin_saves(orders)
         pushes, self._step_pushes = self._step_pushes, []
         pre = self.prefill
         for p in pushes:
