@@ -25,6 +25,8 @@ Figures (``--json`` prints one object with exactly these keys):
 * ``bare_gbps_contiguous`` / ``bare_gbps_fragmented``: the same requests with
   bare NIXL (:mod:`.bare`: same caches, lists and index arrays, one READ,
   busy completion check, no engine); ``bare_*_pct`` as a percentage of memcpy;
+  ``bare_strided_vs_naive_*``: bare NIXL with strided / per-block lists, both
+  prepared by one agent in one process (the list form alone, no second engine);
 * ``first_request_ms``: a fresh decode engine's first request (handshake, plan,
   list preparation, first transfer), cross-process;
 * ``post_overhead_us``: per request, from block ids to posted transfers: the
@@ -70,10 +72,12 @@ KEYS = ("memcpy_gbps", "transfer_gbps_contiguous", "transfer_gbps_fragmented", "
         "post_overhead_us", "desc_prep_ms", "naive_desc_prep_ms", "naive_transfer_gbps_fragmented",
         "naive_transfer_gbps_contiguous", "bare_gbps_contiguous", "bare_gbps_fragmented",
         "transfer_pct_contiguous", "transfer_pct_fragmented", "bare_pct_contiguous",
-        "bare_pct_fragmented", "strided_vs_naive_contiguous", "strided_vs_naive_fragmented", "repeats")
+        "bare_pct_fragmented", "strided_vs_naive_contiguous", "strided_vs_naive_fragmented",
+        "bare_strided_vs_naive_contiguous", "bare_strided_vs_naive_fragmented", "repeats")
 
 GEOMETRIES = ("contiguous", "fragmented")
-PATHS = ("transfer", "naive", "bare")  # engines with strided lists, with per-block lists, bare NIXL
+#: engines with strided lists, with per-block lists; bare NIXL with strided lists, with per-block lists
+PATHS = ("transfer", "naive", "bare", "bare_naive")
 
 
 def _model(engine_id: str, tp: int = 1) -> EngineSpec:
@@ -131,13 +135,14 @@ def _repeat(strided: Cluster, naive: Cluster, bare: BareReader, rep: int, reques
             pb, db = _draw(rng, strided.num_blocks, blocks, g == "fragmented")
             k = (rep * requests + i) % len(PATHS)  # rotate which path goes first
             for p in PATHS[k:] + PATHS[:k]:
-                if p == "bare":
-                    dt = bare.read_seconds(db, pb)
+                if p.startswith("bare"):
+                    dt = bare.read_seconds(db, pb, strided=p == "bare")
                 else:
                     cl = strided if p == "transfer" else naive
                     dt = _engine_seconds(cl, f"{p}-{g}-{rep}-{i}", pb, db, posts if p == "transfer" else None)
                 rates[p].append(blocks * block_bytes / dt / 1e9)
             pairs[g].append(rates["transfer"][-1] / rates["naive"][-1])
+            pairs[f"bare_{g}"].append(rates["bare"][-1] / rates["bare_naive"][-1])
         for p in PATHS:
             out[(p, g)] = statistics.median(rates[p])
     return out
@@ -200,7 +205,7 @@ def run(args: argparse.Namespace) -> dict[str, float]:
         posts: list[float] = []
         prep0 = c.rank_stats(c.decode)[0][0]
         reps, memcpy = [], []
-        pairs: dict[str, list[float]] = {g: [] for g in GEOMETRIES}
+        pairs: dict[str, list[float]] = {k: [] for g in GEOMETRIES for k in (g, f"bare_{g}")}
         for rep in range(args.repeats):
             memcpy.append(memcpy_gbps())
             reps.append(_repeat(c, n, bare, rep, args.requests, blocks, posts, pairs))
@@ -212,13 +217,14 @@ def run(args: argparse.Namespace) -> dict[str, float]:
     out["memcpy_gbps"] = statistics.median(memcpy)
     names = {"transfer": "transfer_gbps_{}", "naive": "naive_transfer_gbps_{}", "bare": "bare_gbps_{}"}
     for g in GEOMETRIES:
-        for p in PATHS:
+        for p in names:
             out[names[p].format(g)] = statistics.median(r[(p, g)] for r in reps)
         out[f"transfer_pct_{g}"] = statistics.median(
             100 * r[("transfer", g)] / m for r, m in zip(reps, memcpy, strict=True))
         out[f"bare_pct_{g}"] = statistics.median(
             100 * r[("bare", g)] / m for r, m in zip(reps, memcpy, strict=True))
         out[f"strided_vs_naive_{g}"] = statistics.median(pairs[g])
+        out[f"bare_strided_vs_naive_{g}"] = statistics.median(pairs[f"bare_{g}"])
     out["repeats"] = args.repeats
     out["desc_prep_ms"], out["naive_desc_prep_ms"] = desc_prep()
     return {k: round(float(out[k]), 3) for k in KEYS}
@@ -262,7 +268,8 @@ def _print_table(r: dict[str, float]) -> None:
             (f"transfer, {g}, per-block N x 3 lists", f"{r[f'naive_transfer_gbps_{g}']:.2f} GB/s",
              f"strided is {r[f'strided_vs_naive_{g}']:.2f}x this"),
             (f"bare NIXL READ, {g}", f"{r[f'bare_gbps_{g}']:.2f} GB/s",
-             f"{r[f'bare_pct_{g}']:.0f}% of memcpy (no engine)"),
+             f"{r[f'bare_pct_{g}']:.0f}% of memcpy (no engine); strided lists "
+             f"{r[f'bare_strided_vs_naive_{g}']:.2f}x per-block lists"),
         ]
     rows += [
         ("first request (handshake..first transfer)", f"{r['first_request_ms']:.1f} ms", ""),
