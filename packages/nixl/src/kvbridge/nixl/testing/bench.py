@@ -6,7 +6,9 @@ through each path in turn, on the same block ids: the engines with strided
 lists, the engines with per-block lists, and bare NIXL. A repeat's figure is
 the median of its requests; the bench reports the median over the repeats of
 each figure and of its ratio to that repeat's memcpy. Interleaving the paths
-keeps a load spike on this (shared) machine from landing on one path only.
+keeps a load spike on this (shared) machine from landing on one path only;
+every other request runs them in reverse order, since the second path to move
+the same blocks finds them warmer.
 
 Figures (``--json`` prints one object with exactly these keys):
 
@@ -133,8 +135,10 @@ def _repeat(strided: Cluster, naive: Cluster, bare: BareReader, rep: int, reques
         rates: dict[str, list[float]] = {p: [] for p in PATHS}
         for i in range(requests):
             pb, db = _draw(rng, strided.num_blocks, blocks, g == "fragmented")
-            k = (rep * requests + i) % len(PATHS)  # rotate which path goes first
-            for p in PATHS[k:] + PATHS[:k]:
+            # the second of two paths on the same blocks finds them warmer (caches, page tables):
+            # every other request runs the paths in reverse, so each goes first half the time
+            j = rep * requests + i
+            for p in PATHS if j % 2 == 0 else PATHS[::-1]:
                 if p.startswith("bare"):
                     dt = bare.read_seconds(db, pb, strided=p == "bare")
                 else:
