@@ -20,7 +20,9 @@ leave up to 2 MiB at each end on 4 KiB pages: an eighth of a 16 MiB layer
 tensor. Where the 2 MiB page around such an edge lies wholly in anonymous
 private writable memory of this process (the neighbouring tensor, usually: large
 allocations are mapped next to each other), that whole page is advised and
-collapsed too; the memory around the range keeps its contents.
+collapsed too; the memory around the range keeps its contents, and pages a
+registration has pinned are left as they are (the kernel refuses to collapse
+them; the result counts the refusal).
 """
 
 from __future__ import annotations
