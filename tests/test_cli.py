@@ -32,7 +32,7 @@ def test_demo_refuses_impossible_shapes(capsys):
 
 
 def test_bench_json_has_exactly_the_documented_keys(capsys):
-    rc = bench_command(["--json", "--tokens", "64", "--requests", "1", "--ucx-threads", "1"])
+    rc = bench_command(["--json", "--tokens", "64", "--requests", "1", "--repeats", "1", "--ucx-threads", "1"])
     assert rc == 0
     out = capsys.readouterr().out.strip().splitlines()
     data = json.loads(out[-1])

@@ -248,3 +248,20 @@ def test_layer_selection_needs_known_roles():
     rd = rank_descriptors(plan, 0, lg, geo(rem, 10, 1 << 30))
     with pytest.raises(MemoryLayoutError, match="cannot select single layers"):
         rd.indices([1], [1], layers=[0])
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 60), st.integers(0, 70), st.integers(0, 8), st.integers(0, 2**16))
+def test_same_block_fast_path_equals_the_general_pairing_in_order(n_local, n_remote, skip, seed):
+    """Equal blocks, no kernel split, one unit per block: the fast path returns exactly the
+    arrays (same order) the general unit pairing does."""
+    loc, rem = spec("d", 2, 16), spec("p", 2, 16)
+    lg, rg = geo(loc, 80, 1 << 20), geo(rem, 80, 1 << 32)
+    rd = rank_descriptors(plan_rank(loc, rem, 0), 0, lg, rg)
+    rng = np.random.default_rng(seed)
+    lids, rids = rng.permutation(80)[:n_local], rng.permutation(80)[:n_remote]
+    fast = rd.indices(lids, rids, local_skip_blocks=skip)
+    general = rd._unit_indices(lids.astype(np.int64), rids.astype(np.int64), skip)
+    for a, b in zip(fast, general, strict=True):
+        assert a.dtype == b.dtype == np.int32
+        assert a.tolist() == b.tolist()

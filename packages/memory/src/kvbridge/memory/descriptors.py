@@ -193,6 +193,26 @@ class RankDescriptors:
                 self.local_block_tokens == self.remote_block_tokens) else 0
         if skip < 0:
             raise MemoryLayoutError(f"local_skip_blocks must be >= 0, got {skip}")
+        if self.local_kernel_per_block == self.remote_kernel_per_block == 1 and (
+                self.local_units == self.remote_units == 1):
+            return self._same_block_indices(lids, rids, skip, layers)
+        return self._unit_indices(lids, rids, skip, layers)
+
+    def _same_block_indices(self, lids: np.ndarray, rids: np.ndarray, skip: int,
+                            layers: Sequence[int] | None = None):
+        """One descriptor per (key, block) on both sides: local block ``i`` pairs with remote
+        block ``skip + i`` (the common case; a few whole-array operations)."""
+        n = min(len(lids), len(rids) - skip)
+        keys = self._attn_keys(layers)[:, None]
+        if keys.size == 0 or n <= 0:
+            return np.empty(0, np.int32), np.empty(0, np.int32)
+        lidx = keys * self.local_kernel_blocks + lids[None, :n]
+        ridx = keys * self.remote_kernel_blocks + rids[None, skip:skip + n]
+        return _i32(lidx.ravel()), _i32(ridx.ravel())
+
+    def _unit_indices(self, lids: np.ndarray, rids: np.ndarray, skip: int,
+                      layers: Sequence[int] | None = None):
+        """The general pairing: kernel-split blocks and transfer units, in token order."""
         nl, nr = self.local_kernel_per_block, self.remote_kernel_per_block
         lk = (lids[:, None] * nl + np.arange(nl, dtype=np.int64)).ravel()
         rk = (rids[:, None] * nr + np.arange(nr, dtype=np.int64)).ravel()

@@ -13,6 +13,16 @@ arrays, reached 10-12 GB/s without help).
 best effort: nothing here raises for what the kernel refuses; the result says
 what was done. Call it on host memory only, before registering it with NIXL
 (registration may pin pages, and pinned pages cannot be collapsed).
+
+The head and tail of a range rarely sit on 2 MiB boundaries (torch and glibc
+place a large tensor a few KiB past a page boundary), so the huge pages inside
+leave up to 2 MiB at each end on 4 KiB pages: an eighth of a 16 MiB layer
+tensor. Where the 2 MiB page around such an edge lies wholly in anonymous
+private writable memory of this process (the neighbouring tensor, usually: large
+allocations are mapped next to each other), that whole page is advised and
+collapsed too; the memory around the range keeps its contents, and pages a
+registration has pinned are left as they are (the kernel refuses to collapse
+them; the result counts the refusal).
 """
 
 from __future__ import annotations
@@ -69,8 +79,52 @@ def _aligned(addr: int, size: int, page: int) -> tuple[int, int]:
     return start, max(0, end - start)
 
 
+def anonymous_spans(maps_text: str | None = None) -> list[tuple[int, int]]:
+    """``[start, end)`` spans of this process's anonymous private writable memory, adjacent
+    mappings merged, from ``/proc/self/maps`` (or ``maps_text``); empty when unreadable."""
+    if maps_text is None:
+        try:
+            with open("/proc/self/maps") as f:
+                maps_text = f.read()
+        except OSError:
+            return []
+    spans: list[tuple[int, int]] = []
+    for line in maps_text.splitlines():
+        parts = line.split()
+        if len(parts) < 5 or len(parts) > 6 or not parts[1].startswith("rw") or parts[1][3:4] != "p":
+            continue
+        if parts[4] != "0" or (len(parts) == 6 and parts[5] != "[heap]"):
+            continue  # file-backed, or a special mapping ([stack], [vvar], ...)
+        a, _, b = parts[0].partition("-")
+        lo, hi = int(a, 16), int(b, 16)
+        if spans and spans[-1][1] == lo:
+            spans[-1] = (spans[-1][0], hi)
+        else:
+            spans.append((lo, hi))
+    return spans
+
+
+def _covering(addr: int, size: int, page: int, anon: list[tuple[int, int]]) -> tuple[int, int]:
+    """Like :func:`_aligned`, but also the partial huge pages at the head and tail of
+    ``[addr, addr + size)`` that lie wholly inside one of the ``anon`` spans."""
+    start, length = _aligned(addr, size, page)
+    end = start + length if length else start
+
+    def inside(lo: int) -> bool:
+        return any(s <= lo and lo + page <= e for s, e in anon)
+
+    head = addr // page * page
+    if size > 0 and head < addr and inside(head):
+        start = head
+    tail = -(-(addr + size) // page) * page
+    if size > 0 and tail > addr + size and inside(tail - page):
+        end = tail
+    end = max(end, start)
+    return start, end - start
+
+
 def advise_huge_pages(ranges: Iterable[tuple[int, int]], *, collapse: bool = True,
-                      page_size: int | None = None) -> HugePageResult:
+                      page_size: int | None = None, edges: bool = True) -> HugePageResult:
     """Ask the kernel to back the host memory ``ranges`` ((address, bytes) pairs) with
     huge pages; with ``collapse``, also collapse the pages already faulted in.
 
@@ -78,7 +132,9 @@ def advise_huge_pages(ranges: Iterable[tuple[int, int]], *, collapse: bool = Tru
     shorter than a huge page is left alone). The ranges must be anonymous host
     memory owned by this process (torch or numpy CPU tensors); device memory is
     not for this function. ``page_size`` overrides the detected huge page size
-    (tests).
+    (tests). With ``edges`` (the default) the partial huge pages at each range's
+    head and tail are included where they lie wholly in anonymous memory of this
+    process (see the module notes); without it only whole pages inside a range.
     """
     page = huge_page_size() if page_size is None else page_size
     spans = []
@@ -105,10 +161,20 @@ def advise_huge_pages(ranges: Iterable[tuple[int, int]], *, collapse: bool = Tru
         key = f"{what}: {errno.errorcode.get(err, err)} ({os.strerror(err)})"
         errors[key] = errors.get(key, 0) + 1
 
+    anon = anonymous_spans() if edges else []
+    todo: list[tuple[int, int]] = []  # the inside of each range, then each edge page once
+    edge_pages: set[int] = set()
     for addr, size in spans:
         start, length = _aligned(addr, size, page)
-        if not length:
-            continue
+        if length:
+            todo.append((start, length))
+        if anon:
+            lo, n = _covering(addr, size, page, anon)
+            for p in (lo, lo + n - page):
+                if n and not start <= p < start + length:
+                    edge_pages.add(p)
+    todo.extend((p, page) for p in sorted(edge_pages) if not any(s <= p < s + n for s, n in todo))
+    for start, length in todo:
         if madvise(start, length, MADV_HUGEPAGE) != 0:
             refused("MADV_HUGEPAGE")
             continue

@@ -131,6 +131,7 @@ class DecodeEngine(RankEngine):
 
         Never waits: while the worker thread is inside a NIXL call, this round is skipped.
         """
+        self._events.clear()  # what is queued now is applied below or by the next round
         with self.agent.turn(wait=False) as mine:
             if mine:
                 self._drain_events()

@@ -49,7 +49,7 @@ from .config import (
 from .messages import notification_key
 from .peers import Peer, PeerTable
 from .stats import Stats
-from .worker import Worker
+from .worker import EventQueue, Worker
 
 log = logging.getLogger("kvbridge.nixl")
 
@@ -125,7 +125,7 @@ class RankEngine:
         self._advertised: tuple[str, int] | None = None
         self._metadata: AgentMetadata | None = None
         self._zmq = zmq.Context(io_threads=1)
-        self._events: queue.Queue[tuple] = queue.Queue()
+        self._events = EventQueue()
         self._worker = Worker(self.agent, f"kvbridge-handshake-{rank}", self.config.progress_interval_s,
                               cpus=self.config.worker_cpus)
         self.peers = PeerTable(self.agent, self.stats, self._start_handshake)
@@ -275,8 +275,20 @@ class RankEngine:
             raise HandshakeFailed(f"engine {peer.engine_id!r} rank {q}: {exc}") from exc
 
     # ----- events from the worker (caller thread) -----------------------------
+    def fileno(self) -> int:
+        """A file descriptor that becomes readable when the engine's worker has reported
+        something (a handshake ended, READs were posted) for :meth:`poll` to apply.
+
+        Callers that wait in ``select()`` / ``multiprocessing.connection.wait`` between
+        ``poll()`` calls can include the engine to call ``poll()`` at once instead of on
+        their next timed round; ``poll()`` makes it unreadable again. Transfers that
+        finish inside NIXL do not wake it: keep polling while requests are in flight.
+        """
+        return self._events.fileno()
+
     def _drain_events(self) -> None:
         """Apply what the worker reported, in the order it happened."""
+        self._events.clear()
         while True:
             try:
                 event = self._events.get_nowait()
@@ -354,6 +366,7 @@ class RankEngine:
         if self._own_server and self.server is not None:
             self.server.close()
         self._zmq.term()
+        self._events.close()
         self.agent.close()
 
     def __enter__(self):

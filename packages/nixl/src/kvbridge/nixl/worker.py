@@ -12,6 +12,11 @@ progress thread. Nothing a job raises stops the thread.
 a process whose threads are bound to one core (vLLM's CPU workers) otherwise
 copies host memory on that core, between the forward pass's own work; on
 other CPUs the copies overlap the computation.
+
+Jobs report through an :class:`EventQueue`: besides the events it holds a
+wake-up pipe that becomes readable when an event is queued, so a caller waiting
+in ``select()`` (the engines' ``fileno()``) runs ``poll()`` as soon as the worker
+has something for it rather than on its next timed round.
 """
 
 from __future__ import annotations
@@ -27,6 +32,61 @@ from .agent import NixlAgent
 log = logging.getLogger("kvbridge.nixl")
 
 Job = Callable[[], None]
+
+
+class EventQueue:
+    """A thread-safe FIFO of events with a wake-up file descriptor.
+
+    :meth:`put` (any thread) queues an event and makes :meth:`fileno` readable;
+    :meth:`clear` (the consuming thread, before it drains) makes it unreadable
+    again. An event put after ``clear`` always leaves the descriptor readable, so
+    no wake-up is lost. Close with :meth:`close`.
+    """
+
+    def __init__(self) -> None:
+        self._q: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+        self._r, self._w = os.pipe()
+        os.set_blocking(self._r, False)
+        os.set_blocking(self._w, False)
+        self._lock = threading.Lock()  # no write after close (the fd number may be reused)
+        self._closed = False
+
+    def put(self, event: tuple) -> None:
+        self._q.put(event)
+        with self._lock:
+            if self._closed:
+                return
+            try:
+                os.write(self._w, b"!")
+            except OSError:  # the pipe is full: readable already
+                pass
+
+    def get_nowait(self) -> tuple:
+        """The oldest event; raises ``queue.Empty`` when there is none."""
+        return self._q.get_nowait()
+
+    def fileno(self) -> int:
+        """Readable while wake-ups are pending (for ``select()``-style waits)."""
+        return self._r
+
+    def clear(self) -> None:
+        """Consume the pending wake-ups (call before draining the events)."""
+        with self._lock:
+            if self._closed:
+                return
+            try:
+                while os.read(self._r, 4096):
+                    pass
+            except OSError:  # empty
+                pass
+
+    def close(self) -> None:
+        """Close the wake-up pipe (idempotent); events can still be put and taken."""
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                os.close(self._r)
+                os.close(self._w)
 
 
 class Worker:

@@ -75,8 +75,9 @@ def _child_loop(conn, role, spec, ranks, num_blocks, config, incarnation, serve_
     running = True
     while running:
         busy = to_verify or any(len(e.tracker) if role == "d" else e.held for e in engines.values())
-        # wait in select() (GIL released) rather than spin: the engine worker thread needs the GIL
-        while conn.poll(0.0002 if busy else 0.002):
+        # wait in select() (GIL released) rather than spin: the engine worker thread needs the GIL;
+        # an engine whose worker reported something (posted READs) wakes the wait at once
+        while conn in wait([conn, *engines.values()], 0.0002 if busy else 0.005):
             cmd, arg = conn.recv()
             last_cmd = time.monotonic()
             if cmd == "close":
