@@ -19,10 +19,15 @@ def test_demo_small_verifies_every_byte(capsys):
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "demo: OK, every byte verified" in out
-    assert "decode verified 8 rank shards" in out  # 2 requests x 4 decode ranks
-    assert "memcpy on this machine" in out and "handshake (slowest rank)" in out
+    assert "decode verified 12 rank shards" in out  # (the first request + 2 in the batch) x 4 decode ranks
+    assert "handshake (slowest rank)" in out and "first request, alone" in out
     # the descriptor count handed to NIXL, and NIXL's merged count from its telemetry
     assert re.search(r"\(\d+ descriptors posted; NIXL merged them into \d+\)", out), out
+    # the batch was handed to every decode rank at once: both requests outstanding on each
+    for rank in range(4):
+        assert re.search(rf"decode rank {rank}: .* GB/s \(\d+ % of memcpy\); at most 2 requests outstanding",
+                         out), out
+    assert re.search(r"aggregate: .* % of memcpy .* target >= 50 %: (PASS|FAIL)", out), out
 
 
 def test_demo_refuses_impossible_shapes(capsys):

@@ -46,11 +46,9 @@ def _child_loop(conn, role, spec, ranks, num_blocks, config, incarnation, serve_
         conn.send(("ready", server.host, server.port, None))
     else:
         conn.send(("ready", None, None, {r: e.metadata() for r, e in engines.items()}))
-    # decode: rid -> (seed, ntok, first token, local ids, prefill spec)
-    pending: dict[str, tuple] = {}
+    st = _State(role, ranks, caches, engines)
+    pending, loaded_at, call_us = st.pending, st.loaded_at, st.call_us
     to_verify: list[tuple[int, str]] = []
-    loaded_at: dict[str, float] = {}
-    call_us: dict[tuple[int, str], float] = {}
     verify_now = False
     last_cmd = time.monotonic()
     running = True
@@ -80,40 +78,26 @@ def _child_loop(conn, role, spec, ranks, num_blocks, config, incarnation, serve_
                 for r in ranks:
                     caches[r].fill(kv, block_ids)
                 conn.send(("ok", None))
-            elif cmd == "hold":
-                rid, block_ids, token = arg
-                for r in ranks:
-                    engines[r].hold(rid, block_ids, token)
+            elif cmd in _REQUEST_COMMANDS:
+                _request_command(cmd, arg, st)
                 conn.send(("ok", None))
-            elif cmd == "push":
-                rid, block_ids, target = arg
-                for r in ranks:
-                    engines[r].push(rid, block_ids, target)
-                conn.send(("ok", None))
-            elif cmd in ("load", "expect"):
-                rid, params, local_ids, computed, seed, ntok, pspec, verify = arg
-                if verify:  # zeroed first, so that bytes the transfer failed to write show
-                    for r in ranks:
-                        caches[r].clear(local_ids)
-                loaded_at[rid] = time.monotonic()
-                for r in ranks:
-                    if cmd == "load":
-                        t_call = time.perf_counter()
-                        engines[r].load(rid, params, local_ids, computed)
-                        call_us[(r, rid)] = (time.perf_counter() - t_call) * 1e6
-                    else:  # push: the decode engine is told the prefill geometry it rearranges from
-                        engines[r].expect(rid, params.engine_id, params.tp_size, params.token, local_ids,
-                                          prefill_block_size=pspec.block_size,
-                                          prefill_head_order=pspec.head_order,
-                                          prefill_kernel_blocks_per_block=pspec.kernel_blocks_per_block)
-                pending[rid] = (seed, ntok, computed, list(local_ids), pspec, verify)
+            elif cmd == "batch":  # several requests in one message, as an engine's step hands them over
+                kind, items = arg
+                if kind not in _REQUEST_COMMANDS:
+                    conn.send(("error", f"cannot batch command {kind!r}"))
+                    continue
+                for item in items:
+                    _request_command(kind, item, st)
                 conn.send(("ok", None))
             elif cmd == "stats":
                 conn.send(("stats", {r: (e.stats, e.resource_counts()) for r, e in engines.items()}))
+            elif cmd == "peaks":
+                conn.send(("peaks", {r: (st.peak_requests[r], st.peak_transfers[r]) for r in ranks}))
             else:
                 conn.send(("error", f"unknown command {cmd!r}"))
         if not running:
             break
+        st.sample(busy)
         for r, e in engines.items():
             if role == "p":
                 for rel in e.poll():
@@ -147,3 +131,69 @@ def _child_loop(conn, role, spec, ranks, num_blocks, config, incarnation, serve_
                 verify_now = False
     local.close()
     conn.send(("closed", None))
+
+
+_REQUEST_COMMANDS = ("hold", "push", "load", "expect")
+
+
+class _State:
+    """What a harness process keeps about its requests, and the peak counts of requests and
+    NIXL transfer handles its ranks had outstanding at once (``peaks`` reports them)."""
+
+    def __init__(self, role: str, ranks: list[int], caches: dict, engines: dict) -> None:
+        self.role, self.ranks, self.caches, self.engines = role, ranks, caches, engines
+        self.pending: dict[str, tuple] = {}  # decode: rid -> (seed, ntok, computed, local ids, pspec, verify)
+        self.loaded_at: dict[str, float] = {}
+        self.call_us: dict[tuple[int, str], float] = {}
+        self.peak_requests = dict.fromkeys(ranks, 0)
+        self.peak_transfers = dict.fromkeys(ranks, 0)
+
+    def outstanding(self, r: int) -> int:
+        """Requests the rank has not finished with: loading or awaited (decode), held (prefill)."""
+        e = self.engines[r]
+        return e.pending if self.role == "d" else e.held
+
+    def sample(self, busy: bool) -> None:
+        """Update the peaks. The handle count is read only while requests are outstanding and
+        the agent is free (never waiting for the worker thread inside NIXL)."""
+        for r in self.ranks:
+            e = self.engines[r]
+            n = self.outstanding(r)
+            self.peak_requests[r] = max(self.peak_requests[r], n)
+            if busy and n:
+                with e.agent.turn(wait=False) as free:
+                    if free:
+                        self.peak_transfers[r] = max(self.peak_transfers[r], e.agent.counts()["transfers"])
+
+
+def _request_command(cmd: str, arg: tuple, st: _State) -> None:
+    """Hand one request to every rank of this process (``hold``/``push`` on a prefill,
+    ``load``/``expect`` on a decode process)."""
+    ranks, engines, caches = st.ranks, st.engines, st.caches
+    if cmd == "hold":
+        rid, block_ids, token = arg
+        for r in ranks:
+            engines[r].hold(rid, block_ids, token)
+    elif cmd == "push":
+        rid, block_ids, target = arg
+        for r in ranks:
+            engines[r].push(rid, block_ids, target)
+    else:
+        rid, params, local_ids, computed, seed, ntok, pspec, verify = arg
+        if verify:  # zeroed first, so that bytes the transfer failed to write show
+            for r in ranks:
+                caches[r].clear(local_ids)
+        st.loaded_at[rid] = time.monotonic()
+        for r in ranks:
+            if cmd == "load":
+                t_call = time.perf_counter()
+                engines[r].load(rid, params, local_ids, computed)
+                st.call_us[(r, rid)] = (time.perf_counter() - t_call) * 1e6
+            else:  # push: the decode engine is told the prefill geometry it rearranges from
+                engines[r].expect(rid, params.engine_id, params.tp_size, params.token, local_ids,
+                                  prefill_block_size=pspec.block_size,
+                                  prefill_head_order=pspec.head_order,
+                                  prefill_kernel_blocks_per_block=pspec.kernel_blocks_per_block)
+        st.pending[rid] = (seed, ntok, computed, list(local_ids), pspec, verify)
+    for r in ranks:  # count what was just handed over, before any completion is polled
+        st.peak_requests[r] = max(st.peak_requests[r], st.outstanding(r))

@@ -230,6 +230,31 @@ class Cluster:
             self.prefill.broadcast("push", (rid, list(p_blocks), target), self._absorb)
         return params
 
+    def submit_batch(self, batch: list[tuple[str, int, list[int], list[int], int]], *,
+                     verify: bool = True) -> None:
+        """Hand a batch of requests ``(rid, seed, p_blocks, d_blocks, num_tokens)`` (prefill
+        blocks already filled) to both engines the way an engine's scheduler step does: each
+        process gets the whole batch in one message, every process's message is sent before any
+        answer is awaited, and each rank starts every request of the batch before polling for
+        completions, so the requests are in flight together (see :meth:`peaks`)."""
+        holds, loads, pushes = [], [], []
+        dspec = self.decode.spec
+        for rid, seed, pb, db, ntok in batch:
+            token = new_token()
+            self._tokens[rid] = token
+            self.results[rid] = RequestResult(rid)
+            params = self.params(rid, pb, token)
+            holds.append((rid, list(pb), token))
+            loads.append((rid, params, list(db), 0, seed, ntok, self.prefill.spec, verify))
+            pushes.append((rid, list(pb), TransferParams(dspec.engine_id, self.decode.host, self.decode.port,
+                                                         dspec.tp_size, tuple(db), token)))
+        if self.mode == "pull":
+            self.prefill.broadcast("batch", ("hold", holds), self._absorb)
+            self.decode.broadcast("batch", ("load", loads), self._absorb)
+        else:
+            self.decode.broadcast("batch", ("expect", loads), self._absorb)
+            self.prefill.broadcast("batch", ("push", pushes), self._absorb)
+
     def load(self, rid: str, params: TransferParams, d_blocks: list[int], seed: int, ntok: int,
              computed_tokens: int = 0, verify: bool = True) -> None:
         self.results.setdefault(rid, RequestResult(rid))
@@ -299,13 +324,23 @@ class Cluster:
             self._pump(deadline - time.monotonic())
 
     def rank_stats(self, group: EngineGroup) -> dict[int, tuple]:
+        """rank -> (Stats, resource counts) of every rank of ``group``."""
+        return self._ask(group, "stats")
+
+    def peaks(self, group: EngineGroup) -> dict[int, tuple[int, int]]:
+        """rank -> (most requests outstanding at once, most live NIXL transfer handles at once)
+        since the group started: requests loading or awaited on a decode rank, held on a prefill
+        rank; the handle count is sampled once per round of the process's loop."""
+        return self._ask(group, "peaks")
+
+    def _ask(self, group: EngineGroup, cmd: str) -> dict[int, tuple]:
         out: dict[int, tuple] = {}
         for c in group.conns:
-            c.send(("stats", None))
+            c.send((cmd, None))
         for c in group.conns:
             while True:
-                msg = _recv(c, 30, "stats")
-                if msg[0] == "stats":
+                msg = _recv(c, 30, cmd)
+                if msg[0] == cmd:
                     out.update(msg[1])
                     break
                 self._absorb(msg)
