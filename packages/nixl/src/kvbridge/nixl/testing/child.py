@@ -78,6 +78,10 @@ def _child_loop(conn, role, spec, ranks, num_blocks, config, incarnation, serve_
                 for r in ranks:
                     caches[r].fill(kv, block_ids)
                 conn.send(("ok", None))
+            elif cmd == "clear":  # zero blocks ahead of requests submitted with cleared=True
+                for r in ranks:
+                    caches[r].clear(list(arg))
+                conn.send(("ok", None))
             elif cmd in _REQUEST_COMMANDS:
                 _request_command(cmd, arg, st)
                 conn.send(("ok", None))
@@ -179,8 +183,8 @@ def _request_command(cmd: str, arg: tuple, st: _State) -> None:
         for r in ranks:
             engines[r].push(rid, block_ids, target)
     else:
-        rid, params, local_ids, computed, seed, ntok, pspec, verify = arg
-        if verify:  # zeroed first, so that bytes the transfer failed to write show
+        rid, params, local_ids, computed, seed, ntok, pspec, verify, *rest = arg
+        if rest[0] if rest else verify:  # zeroed first, so that bytes the transfer failed to write show
             for r in ranks:
                 caches[r].clear(local_ids)
         st.loaded_at[rid] = time.monotonic()

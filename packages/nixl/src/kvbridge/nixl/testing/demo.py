@@ -137,9 +137,12 @@ def _run_batch(args, c: Cluster, rng, out: dict, n_p: int, n_d: int, ntok: int, 
     out["first_ms"] = (max(first.done_at.values(), default=0) - min(first.loaded_at.values(), default=0)) * 1e3
     mover = c.decode if args.mode == "pull" else c.prefill  # the ranks that post the transfers
     before = {r: s.bytes for r, (s, _) in c.rank_stats(mover).items()}
+    # zero the batch's decode blocks now (so that bytes a transfer fails to write show):
+    # verification work of the harness, kept out of the batch's time
+    c.clear_decode([b for *_, db, _ in batch for b in db])
     with Progress("transferring", len(batch)) as bar:
         t0 = time.monotonic()
-        c.submit_batch(batch)
+        c.submit_batch(batch, cleared=True)
         res = c.wait([b[0] for b in batch], timeout=300, released=args.mode == "pull",
                      on_progress=bar)
     out["results"] = {"first": first, **res}

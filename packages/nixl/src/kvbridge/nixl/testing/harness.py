@@ -230,13 +230,21 @@ class Cluster:
             self.prefill.broadcast("push", (rid, list(p_blocks), target), self._absorb)
         return params
 
+    def clear_decode(self, d_blocks: list[int]) -> None:
+        """Zero decode blocks on every decode rank now (see ``cleared`` of :meth:`submit_batch`)."""
+        self.decode.broadcast("clear", list(d_blocks), self._absorb)
+
     def submit_batch(self, batch: list[tuple[str, int, list[int], list[int], int]], *,
-                     verify: bool = True) -> None:
+                     verify: bool = True, cleared: bool = False) -> None:
         """Hand a batch of requests ``(rid, seed, p_blocks, d_blocks, num_tokens)`` (prefill
         blocks already filled) to both engines the way an engine's scheduler step does: each
         process gets the whole batch in one message, every process's message is sent before any
         answer is awaited, and each rank starts every request of the batch before polling for
-        completions, so the requests are in flight together (see :meth:`peaks`)."""
+        completions, so the requests are in flight together (see :meth:`peaks`).
+
+        With ``verify`` the decode blocks are zeroed before the load, so that bytes a transfer
+        failed to write show; ``cleared=True`` says the caller zeroed them already
+        (:meth:`clear_decode`), keeping that harness work out of the batch's time."""
         holds, loads, pushes = [], [], []
         dspec = self.decode.spec
         for rid, seed, pb, db, ntok in batch:
@@ -245,7 +253,8 @@ class Cluster:
             self.results[rid] = RequestResult(rid)
             params = self.params(rid, pb, token)
             holds.append((rid, list(pb), token))
-            loads.append((rid, params, list(db), 0, seed, ntok, self.prefill.spec, verify))
+            loads.append((rid, params, list(db), 0, seed, ntok, self.prefill.spec, verify,
+                          verify and not cleared))
             pushes.append((rid, list(pb), TransferParams(dspec.engine_id, self.decode.host, self.decode.port,
                                                          dspec.tp_size, tuple(db), token)))
         if self.mode == "pull":
