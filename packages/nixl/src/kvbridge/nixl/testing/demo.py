@@ -54,6 +54,9 @@ def _demo_parser() -> argparse.ArgumentParser:
                                      "layers": 8})
     p.add_argument("--blocks", type=int, default=32, metavar="N", help="prefill blocks per request (default 32)")
     p.add_argument("--requests", type=int, default=8, metavar="R", help="requests in the batch (default 8)")
+    p.add_argument("--rounds", type=int, default=3, metavar="N",
+                   help="times the batch is moved, each verified; the best round is compared with "
+                        "memcpy's best of 5 (default 3)")
     _engine_args(p)
     p.add_argument("-v", "--verbose", action="store_true", help="log engine events")
     return p
@@ -70,8 +73,8 @@ def demo_command(argv: list[str]) -> int:
     args = _demo_parser().parse_args(argv)
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
-    if args.blocks <= 0 or args.requests <= 0:
-        print("kvbridge demo: error: --blocks and --requests must be positive", file=sys.stderr)
+    if args.blocks <= 0 or args.requests <= 0 or args.rounds <= 0:
+        print("kvbridge demo: error: --blocks, --requests and --rounds must be positive", file=sys.stderr)
         return 2
     try:
         prefill, decode = engines_from_args(args)
@@ -136,29 +139,37 @@ def _run_batch(args, c: Cluster, rng, out: dict, n_p: int, n_d: int, ntok: int, 
     first = c.wait(["first"], timeout=120, released=args.mode == "pull")["first"]
     out["first_ms"] = (max(first.done_at.values(), default=0) - min(first.loaded_at.values(), default=0)) * 1e3
     mover = c.decode if args.mode == "pull" else c.prefill  # the ranks that post the transfers
+    out["results"], out["rounds"] = {"first": first}, []
+    for k in range(args.rounds):
+        rb = [(f"r{k}-{rid}", *rest) for rid, *rest in batch]
+        out["rounds"].append(_round(args, c, mover, rb, out["results"], f"round {k + 1}/{args.rounds}"))
+    out["dstats"] = c.rank_stats(c.decode)
+    out["pstats"] = c.rank_stats(c.prefill)
+    out["peaks"] = c.peaks(mover)
+
+
+def _round(args, c: Cluster, mover, batch: list[tuple], results: dict, label: str) -> dict:
+    """Move the batch once, every request handed over together; returns its timings."""
     before = {r: s.bytes for r, (s, _) in c.rank_stats(mover).items()}
     # zero the batch's decode blocks now (so that bytes a transfer fails to write show):
     # verification work of the harness, kept out of the batch's time
     c.clear_decode([b for *_, db, _ in batch for b in db])
-    with Progress("transferring", len(batch)) as bar:
+    with Progress(f"transferring, {label}", len(batch)) as bar:
         t0 = time.monotonic()
         c.submit_batch(batch, cleared=True)
-        res = c.wait([b[0] for b in batch], timeout=300, released=args.mode == "pull",
-                     on_progress=bar)
-    out["results"] = {"first": first, **res}
-    out["t0"] = t0
-    out["t_end"] = max((t for r in res.values() for t in r.done_at.values()), default=t0)
+        res = c.wait([b[0] for b in batch], timeout=300, released=args.mode == "pull", on_progress=bar)
+    results.update(res)
     after = c.rank_stats(mover)
-    out["moved"] = {r: s.bytes - before.get(r, 0) for r, (s, _) in after.items()}
-    # the decode ranks' first load() (pull) or expect() (push) of the batch: the engines' start
-    out["t_load"] = min((t for r in res.values() for t in r.loaded_at.values()), default=t0)
-    out["loaded_at"] = {r: min((x.loaded_at.get(r, t0) for x in res.values()), default=t0)
-                        for r in range(c.decode.spec.tp_size)}
-    out["done_at"] = {r: max((x.done_at.get(r, t0) for x in res.values()), default=t0)
-                      for r in range(c.decode.spec.tp_size)}
-    out["dstats"] = after if mover is c.decode else c.rank_stats(c.decode)
-    out["pstats"] = after if mover is c.prefill else c.rank_stats(c.prefill)
-    out["peaks"] = c.peaks(mover)
+    tp = range(c.decode.spec.tp_size)
+    return {
+        "t0": t0,
+        "t_end": max((t for r in res.values() for t in r.done_at.values()), default=t0),
+        "moved": {r: s.bytes - before.get(r, 0) for r, (s, _) in after.items()},
+        # the decode ranks' first load() (pull) or expect() (push): where the engines' part starts
+        "t_load": min((t for r in res.values() for t in r.loaded_at.values()), default=t0),
+        "loaded_at": {r: min((x.loaded_at.get(r, t0) for x in res.values()), default=t0) for r in tp},
+        "done_at": {r: max((x.done_at.get(r, t0) for x in res.values()), default=t0) for r in tp},
+    }
 
 
 def _groups(spec, args) -> list:
@@ -168,16 +179,17 @@ def _groups(spec, args) -> list:
 
 def _report(args, run: dict, prefill, decode) -> int:
     res = run["results"]
-    batch = [r for r in res if r != "first"]
     ds = Stats.merge([s for s, _ in run["dstats"].values()])
     ps = Stats.merge([s for s, _ in run["pstats"].values()])
     xs = ds if args.mode == "pull" else ps
     hs_stats = run["dstats"] if args.mode == "pull" else run["pstats"]
     hs_ms = max((s.handshake_ms / max(1, s.handshakes) for s, _ in hs_stats.values()), default=0.0)
-    mc, t0 = run["memcpy"], run["t_load"]
-    wall = max(1e-9, run["t_end"] - t0)
-    moved = sum(run["moved"].values())
-    agg = moved / wall / 1e9
+    mc = run["memcpy"]
+    rounds = run["rounds"]
+    aggs = [sum(x["moved"].values()) / max(1e-9, x["t_end"] - x["t_load"]) / 1e9 for x in rounds]
+    best = max(range(len(rounds)), key=lambda i: aggs[i])
+    rd, agg = rounds[best], aggs[best]
+    t0, wall, moved = rd["t_load"], max(1e-9, rd["t_end"] - rd["t_load"]), sum(rd["moved"].values())
     print(f"processes started in {run['start_s']:.1f} s; caches filled in {run['fill_s']:.1f} s")
     print(f"handshake (slowest rank): {hs_ms:.1f} ms")
     print(f"first request, alone (handshake + lists + transfer): {run['first_ms']:.1f} ms")
@@ -185,23 +197,24 @@ def _report(args, run: dict, prefill, decode) -> int:
     merged = f"; NIXL merged them into {xs.descriptors}" if xs.descriptors else ""
     print(f"in all: {xs.transfers} NIXL transfers ({xs.descriptors_posted} descriptors posted{merged})")
     role = "decode" if args.mode == "pull" else "prefill"
-    print(f"batch: {len(batch)} requests submitted together to every rank, {moved / 2**20:.1f} MiB; "
-          f"{(run['t_end'] - run['t0']) * 1e3:.1f} ms from the harness's submission, {wall * 1e3:.1f} ms "
-          f"from the decode ranks' first {'load()' if args.mode == 'pull' else 'expect()'} to the last "
-          f"completion (the figures below)")
-    for r in sorted(run["moved"]):
+    start = "load()" if args.mode == "pull" else "expect()"
+    print(f"batch: {args.requests} requests submitted together to every rank, {moved / 2**20:.1f} MiB, "
+          f"moved {len(rounds)} time(s): " + ", ".join(f"{a:.2f}" for a in aggs) + " GB/s aggregate")
+    print(f"best round ({best + 1}): {(rd['t_end'] - rd['t0']) * 1e3:.1f} ms from the harness's submission, "
+          f"{wall * 1e3:.1f} ms from the decode ranks' first {start} to the last completion (the figures below)")
+    for r in sorted(rd["moved"]):
         # pull: each decode rank's own first load() and last completion; push: the batch's (the
         # prefill's WRITEs are not timed one by one)
-        start, end = ((run["loaded_at"].get(r, t0), run["done_at"].get(r, run["t_end"]))
-                      if args.mode == "pull" else (t0, run["t_end"]))
-        rate = run["moved"][r] / max(1e-9, end - start) / 1e9
+        s0, s1 = ((rd["loaded_at"].get(r, t0), rd["done_at"].get(r, rd["t_end"]))
+                  if args.mode == "pull" else (t0, rd["t_end"]))
+        rate = rd["moved"][r] / max(1e-9, s1 - s0) / 1e9
         peak_req, peak_x = run["peaks"][r]
-        print(f"  {role} rank {r}: {run['moved'][r] / 2**20:.1f} MiB, {rate:.2f} GB/s "
+        print(f"  {role} rank {r}: {rd['moved'][r] / 2**20:.1f} MiB, {rate:.2f} GB/s "
               f"({100 * rate / mc:.0f} % of memcpy); at most {peak_req} requests outstanding, "
               f"{peak_x} NIXL transfers live at once")
     verdict = "PASS" if agg >= TARGET_SHARE * mc else "FAIL"
-    print(f"aggregate: {agg:.2f} GB/s = {100 * agg / mc:.0f} % of memcpy ({mc:.2f} GB/s, one thread, "
-          f"same run); target >= {100 * TARGET_SHARE:.0f} %: {verdict}")
+    print(f"aggregate (best round): {agg:.2f} GB/s = {100 * agg / mc:.0f} % of memcpy ({mc:.2f} GB/s, one "
+          f"thread, best of 5, same run); target >= {100 * TARGET_SHARE:.0f} %: {verdict}")
     print(f"prefill released {ps.requests_released} request copies "
           f"({ps.leases_expired} by lease expiry); decode verified "
           f"{sum(len(r.done) for r in res.values())} rank shards")
