@@ -292,7 +292,13 @@ def _print_table(r: dict[str, float]) -> None:
 
 
 def main(argv: list[str]) -> int:
+    if "--scale" in argv:  # cost as the work grows: its own module and flags
+        from .scale import scale_main
+
+        return scale_main([a for a in argv if a != "--scale"])
     p = argparse.ArgumentParser(prog="kvbridge bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--scale", action="store_true",
+                   help="cost as the work grows instead (see kvbridge bench --scale --help)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--tokens", type=int, default=1024, help="prompt tokens per request (default 1024)")
     p.add_argument("--requests", type=int, default=5,

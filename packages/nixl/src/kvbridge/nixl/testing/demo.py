@@ -24,32 +24,7 @@ from ..config import EngineConfig
 from ..stats import Stats
 from .harness import Cluster, HarnessError
 from .memcpy import memcpy_gbps
-
-
-class _Progress:
-    """A one-line progress bar on stderr, shown only when the run takes a while."""
-
-    def __init__(self, total: int, label: str, after_s: float = 1.5):
-        self.total, self.label, self.after = total, label, after_s
-        self.start = time.monotonic()
-        self.count = 0
-        self.shown = False
-
-    def __call__(self, n: int = 1) -> None:
-        self.count += n
-        if not sys.stderr.isatty() and self.total < 64:
-            return
-        if time.monotonic() - self.start < self.after and self.count < self.total:
-            return
-        width = 30
-        filled = int(width * self.count / max(1, self.total))
-        sys.stderr.write(f"\r{self.label} [{'#' * filled}{'.' * (width - filled)}] {self.count}/{self.total}")
-        sys.stderr.flush()
-        self.shown = True
-
-    def close(self) -> None:
-        if self.shown:
-            sys.stderr.write("\n")
+from .progress import Progress, Ticker
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -79,6 +54,9 @@ def _demo_parser() -> argparse.ArgumentParser:
                                      "layers": 8})
     p.add_argument("--blocks", type=int, default=32, metavar="N", help="prefill blocks per request (default 32)")
     p.add_argument("--requests", type=int, default=8, metavar="R", help="requests in the batch (default 8)")
+    p.add_argument("--rounds", type=int, default=3, metavar="N",
+                   help="times the batch is moved, each verified; the best round is compared with "
+                        "memcpy's best of 5 (default 3)")
     _engine_args(p)
     p.add_argument("-v", "--verbose", action="store_true", help="log engine events")
     return p
@@ -88,12 +66,15 @@ def _d_blocks_for(n_p: int, p_bs: int, d_bs: int) -> int:
     return -(-(n_p * p_bs) // d_bs)
 
 
+TARGET_SHARE = 0.5  # aggregate throughput of the batch, as a share of this machine's memcpy
+
+
 def demo_command(argv: list[str]) -> int:
     args = _demo_parser().parse_args(argv)
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING)
-    if args.blocks <= 0 or args.requests <= 0:
-        print("kvbridge demo: error: --blocks and --requests must be positive", file=sys.stderr)
+    if args.blocks <= 0 or args.requests <= 0 or args.rounds <= 0:
+        print("kvbridge demo: error: --blocks, --requests and --rounds must be positive", file=sys.stderr)
         return 2
     try:
         prefill, decode = engines_from_args(args)
@@ -109,80 +90,147 @@ def demo_command(argv: list[str]) -> int:
     per_rank_mib = max(n_p * prefill.region_block_bytes * plan.prefill_layout.regions,
                        n_d * decode.region_block_bytes * plan.decode_layout.regions) * args.requests / 2**20
     print(f"\ndemo: {args.requests} requests x {ntok} tokens ({n_p} prefill blocks, {n_d} decode blocks), "
-          f"mode {args.mode}, cache per rank {per_rank_mib:.1f} MiB")
-    rng = np.random.default_rng(1)
-    t_start = time.monotonic()
+          f"mode {args.mode}, cache per rank {per_rank_mib:.1f} MiB", flush=True)
     try:
-        with Cluster(prefill, decode, num_blocks=num_blocks, config=_config(args),
-                     ranks_per_process=args.ranks_per_process) as c:
-            t_ready = time.monotonic()
-            # each request gets a run of consecutive blocks (as allocators mostly hand out), the
-            # runs placed differently on the two sides; NIXL merges each run into few descriptors
-            p_slots = rng.permutation(args.requests)
-            d_slots = rng.permutation(args.requests)
-            rids = [f"req-{i}" for i in range(args.requests)]
-            jobs = []
-            for i, rid in enumerate(rids):
-                pb = list(range(int(p_slots[i]) * n_p, int(p_slots[i]) * n_p + n_p))
-                db = list(range(int(d_slots[i]) * n_d, int(d_slots[i]) * n_d + n_d))
-                c.fill(1000 + i, pb, ntok)
-                jobs.append((rid, pb, db))
-            t_filled = time.monotonic()
-            # the first request pays the handshake; the rest of the batch is timed without it
-            first_rid, pb, db = jobs[0]
-            c.submit(first_rid, 1000, pb, db, num_tokens=ntok, fill=False)
-            first = c.wait([first_rid], timeout=120)[first_rid]
-            first_ms = (max(first.done_at.values(), default=0) - min(first.loaded_at.values(), default=0)) * 1e3
-            bar = _Progress(len(rids), "transferring")
-            bar(1)
-            t0 = time.monotonic()
-            for i, (rid, pb, db) in enumerate(jobs[1:], start=1):
-                c.submit(rid, 1000 + i, pb, db, num_tokens=ntok, fill=False)
-            res = c.wait(rids, timeout=300, released=args.mode == "pull", on_progress=bar)
-            bar.close()
-            rest = [res[r] for r in rids[1:]]
-            t_end = max((t for r in rest for t in r.done_at.values()), default=t0)
-            dstats = c.rank_stats(c.decode)
-            pstats = c.rank_stats(c.prefill)
+        run = _run(args, prefill, decode, n_p, n_d, ntok, num_blocks)
     except HarnessError as exc:
         print(f"kvbridge demo: FAILED: {exc}", file=sys.stderr)
         return 1
-    ds = Stats.merge([s for s, _ in dstats.values()])
-    ps = Stats.merge([s for s, _ in pstats.values()])
-    moved = ds.bytes if args.mode == "pull" else ps.bytes
-    moved_rest = moved * (len(rids) - 1) / len(rids)
-    hs_stats = dstats if args.mode == "pull" else pstats
-    hs_ms = max((s.handshake_ms / max(1, s.handshakes) for s, _ in hs_stats.values()), default=0.0)
-    failed = {rid: r.failed for rid, r in res.items() if r.failed}
-    mismatched = {rid: r.mismatches for rid, r in res.items() if r.mismatches}
-    wall = max(1e-9, t_end - t0)
-    mc = memcpy_gbps()
+    return _report(args, run, prefill, decode)
+
+
+def _run(args, prefill, decode, n_p: int, n_d: int, ntok: int, num_blocks: int) -> dict:
+    """Start both engines, move one request alone (it pays the handshake), then the whole batch
+    at once; returns what :func:`_report` prints."""
+    rng = np.random.default_rng(1)
+    out: dict = {}
+    t_start = time.monotonic()
+    c = Cluster(prefill, decode, num_blocks=num_blocks, config=_config(args),
+                ranks_per_process=args.ranks_per_process)
+    nproc = len(_groups(prefill, args)) + len(_groups(decode, args))
+    try:
+        with Ticker(f"starting {nproc} engine processes"):
+            c.start()
+        _run_batch(args, c, rng, out, n_p, n_d, ntok, t_start)
+    finally:
+        c.close()
+    out["memcpy"] = memcpy_gbps()
+    return out
+
+
+def _run_batch(args, c: Cluster, rng, out: dict, n_p: int, n_d: int, ntok: int, t_start: float) -> None:
+    out["start_s"] = time.monotonic() - t_start
+    # each request gets a run of consecutive blocks (as allocators mostly hand out), the
+    # runs placed differently on the two sides; NIXL merges each run into few descriptors
+    p_slots, d_slots = rng.permutation(args.requests), rng.permutation(args.requests)
+    batch = []
+    t = time.monotonic()
+    with Progress("filling prefill caches", args.requests) as bar:
+        for i in range(args.requests):
+            pb = list(range(int(p_slots[i]) * n_p, int(p_slots[i]) * n_p + n_p))
+            db = list(range(int(d_slots[i]) * n_d, int(d_slots[i]) * n_d + n_d))
+            c.fill(1000 + i, pb, ntok)
+            batch.append((f"req-{i}", 1000 + i, pb, db, ntok))
+            bar()
+    out["fill_s"] = time.monotonic() - t
+    # the first request (the batch's first one again, alone) pays the handshake
+    _, seed, pb, db, _ = batch[0]
+    c.submit("first", seed, pb, db, num_tokens=ntok, fill=False)
+    first = c.wait(["first"], timeout=120, released=args.mode == "pull")["first"]
+    out["first_ms"] = (max(first.done_at.values(), default=0) - min(first.loaded_at.values(), default=0)) * 1e3
+    mover = c.decode if args.mode == "pull" else c.prefill  # the ranks that post the transfers
+    out["results"], out["rounds"] = {"first": first}, []
+    for k in range(args.rounds):
+        rb = [(f"r{k}-{rid}", *rest) for rid, *rest in batch]
+        out["rounds"].append(_round(args, c, mover, rb, out["results"], f"round {k + 1}/{args.rounds}"))
+    out["dstats"] = c.rank_stats(c.decode)
+    out["pstats"] = c.rank_stats(c.prefill)
+    out["peaks"] = c.peaks(mover)
+
+
+def _round(args, c: Cluster, mover, batch: list[tuple], results: dict, label: str) -> dict:
+    """Move the batch once, every request handed over together; returns its timings."""
+    before = {r: s.bytes for r, (s, _) in c.rank_stats(mover).items()}
+    # zero the batch's decode blocks now (so that bytes a transfer fails to write show):
+    # verification work of the harness, kept out of the batch's time
+    c.clear_decode([b for *_, db, _ in batch for b in db])
+    with Progress(f"transferring, {label}", len(batch)) as bar:
+        t0 = time.monotonic()
+        c.submit_batch(batch, cleared=True)
+        res = c.wait([b[0] for b in batch], timeout=300, released=args.mode == "pull", on_progress=bar)
+    results.update(res)
+    after = c.rank_stats(mover)
+    tp = range(c.decode.spec.tp_size)
+    return {
+        "t0": t0,
+        "t_end": max((t for r in res.values() for t in r.done_at.values()), default=t0),
+        "moved": {r: s.bytes - before.get(r, 0) for r, (s, _) in after.items()},
+        # the decode ranks' first load() (pull) or expect() (push): where the engines' part starts
+        "t_load": min((t for r in res.values() for t in r.loaded_at.values()), default=t0),
+        "loaded_at": {r: min((x.loaded_at.get(r, t0) for x in res.values()), default=t0) for r in tp},
+        "done_at": {r: max((x.done_at.get(r, t0) for x in res.values()), default=t0) for r in tp},
+    }
+
+
+def _groups(spec, args) -> list:
+    per = args.ranks_per_process or spec.tp_size
+    return list(range(0, spec.tp_size, per))
+
+
+def _report(args, run: dict, prefill, decode) -> int:
+    res = run["results"]
+    ds = Stats.merge([s for s, _ in run["dstats"].values()])
+    ps = Stats.merge([s for s, _ in run["pstats"].values()])
     xs = ds if args.mode == "pull" else ps
-    ranks = decode.tp_size if args.mode == "pull" else prefill.tp_size
-    print(f"processes started in {t_ready - t_start:.1f} s; caches filled in {t_filled - t_ready:.1f} s")
+    hs_stats = run["dstats"] if args.mode == "pull" else run["pstats"]
+    hs_ms = max((s.handshake_ms / max(1, s.handshakes) for s, _ in hs_stats.values()), default=0.0)
+    mc = run["memcpy"]
+    rounds = run["rounds"]
+    aggs = [sum(x["moved"].values()) / max(1e-9, x["t_end"] - x["t_load"]) / 1e9 for x in rounds]
+    best = max(range(len(rounds)), key=lambda i: aggs[i])
+    rd, agg = rounds[best], aggs[best]
+    t0, wall, moved = rd["t_load"], max(1e-9, rd["t_end"] - rd["t_load"]), sum(rd["moved"].values())
+    print(f"processes started in {run['start_s']:.1f} s; caches filled in {run['fill_s']:.1f} s")
     print(f"handshake (slowest rank): {hs_ms:.1f} ms")
+    print(f"first request, alone (handshake + lists + transfer): {run['first_ms']:.1f} ms")
     # NIXL telemetry counts the descriptors left after merging adjacent ones (0: telemetry off)
     merged = f"; NIXL merged them into {xs.descriptors}" if xs.descriptors else ""
-    print(f"moved {moved / 2**20:.1f} MiB in {xs.transfers} NIXL transfers "
-          f"({xs.descriptors_posted} descriptors posted{merged})")
-    print(f"first request (handshake + lists + transfer): {first_ms:.1f} ms")
-    if len(rids) > 1:
-        print(f"other {len(rids) - 1} requests: {wall * 1e3:.1f} ms, {moved_rest / wall / 1e9:.2f} GB/s "
-              f"aggregate over {ranks} rank(s) (submitted one at a time through the harness)")
-    if xs.xfer_us:
-        print(f"NIXL telemetry: {xs.gbps:.2f} GB/s per transfer on average (transfers overlap)")
-    print(f"memcpy on this machine (one thread): {mc:.2f} GB/s")
+    print(f"in all: {xs.transfers} NIXL transfers ({xs.descriptors_posted} descriptors posted{merged})")
+    role = "decode" if args.mode == "pull" else "prefill"
+    start = "load()" if args.mode == "pull" else "expect()"
+    print(f"batch: {args.requests} requests submitted together to every rank, {moved / 2**20:.1f} MiB, "
+          f"moved {len(rounds)} time(s): " + ", ".join(f"{a:.2f}" for a in aggs) + " GB/s aggregate")
+    print(f"best round ({best + 1}): {(rd['t_end'] - rd['t0']) * 1e3:.1f} ms from the harness's submission, "
+          f"{wall * 1e3:.1f} ms from the decode ranks' first {start} to the last completion (the figures below)")
+    for r in sorted(rd["moved"]):
+        # pull: each decode rank's own first load() and last completion; push: the batch's (the
+        # prefill's WRITEs are not timed one by one)
+        s0, s1 = ((rd["loaded_at"].get(r, t0), rd["done_at"].get(r, rd["t_end"]))
+                  if args.mode == "pull" else (t0, rd["t_end"]))
+        rate = rd["moved"][r] / max(1e-9, s1 - s0) / 1e9
+        peak_req, peak_x = run["peaks"][r]
+        print(f"  {role} rank {r}: {rd['moved'][r] / 2**20:.1f} MiB, {rate:.2f} GB/s "
+              f"({100 * rate / mc:.0f} % of memcpy); at most {peak_req} requests outstanding, "
+              f"{peak_x} NIXL transfers live at once")
+    verdict = "PASS" if agg >= TARGET_SHARE * mc else "FAIL"
+    print(f"aggregate (best round): {agg:.2f} GB/s = {100 * agg / mc:.0f} % of memcpy ({mc:.2f} GB/s, one "
+          f"thread, best of 5, same run); target >= {100 * TARGET_SHARE:.0f} %: {verdict}")
     print(f"prefill released {ps.requests_released} request copies "
-          f"({ps.leases_expired} by lease expiry); decode verified {sum(len(r.done) for r in res.values())} "
-          f"rank shards")
-    if failed or mismatched or ps.leases_expired:
+          f"({ps.leases_expired} by lease expiry); decode verified "
+          f"{sum(len(r.done) for r in res.values())} rank shards")
+    failed = {rid: r.failed for rid, r in res.items() if r.failed}
+    mismatched = {rid: r.mismatches for rid, r in res.items() if r.mismatches}
+    unverified = [rid for rid, r in res.items() if any(v < 0 for v in r.done.values())]
+    if failed or mismatched or unverified or ps.leases_expired:
         for rid, f in failed.items():
             print(f"FAILED {rid}: {f}", file=sys.stderr)
         for rid, n in mismatched.items():
             print(f"MISMATCH {rid}: {n} bytes differ from the expected shards", file=sys.stderr)
+        for rid in unverified:
+            print(f"UNVERIFIED {rid}: a rank did not check its bytes", file=sys.stderr)
         if ps.leases_expired:
             print(f"{ps.leases_expired} leases expired", file=sys.stderr)
         print("demo: FAILED", file=sys.stderr)
         return 1
-    print("demo: OK, every byte verified")
+    print("demo: OK, every byte verified (the exit status reflects correctness, not the target)")
     return 0

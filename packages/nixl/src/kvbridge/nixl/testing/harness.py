@@ -13,20 +13,16 @@ from __future__ import annotations
 
 import os
 import time
-import traceback
 from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection, wait
-
-import torch
 
 from kvbridge.handshake import new_incarnation
 from kvbridge.topology import EngineSpec, plan_transfer
 
 from ..config import EngineConfig, TransferParams
 from ..messages import new_token
-from .local import LocalRanks
+from .child import child_main
 from .spawn import start_context
-from .synthetic import logical_kv
 
 _SEEN = {"done": ("done_at", "failed"), "failed": ("done_at", "failed"),  # where a rank's earlier
          "verified": ("done",), "released": ("released",)}  # report of a request is kept
@@ -34,139 +30,6 @@ _SEEN = {"done": ("done_at", "failed"), "failed": ("done_at", "failed"),  # wher
 
 class HarnessError(RuntimeError):
     """A harness process failed or did not answer in time."""
-
-
-# ---------------------------------------------------------------------------
-# child process
-
-
-def _child(conn: Connection, role: str, spec: EngineSpec, ranks: list[int], num_blocks: int,
-           config: EngineConfig, incarnation: str, serve_first: bool) -> None:
-    import logging
-
-    logging.basicConfig(level=os.environ.get("KVBRIDGE_LOG", "WARNING"))
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL logs INFO lines to stdout otherwise
-    try:
-        _child_loop(conn, role, spec, ranks, num_blocks, config, incarnation, serve_first)
-    except Exception:
-        try:
-            conn.send(("crash", traceback.format_exc()))
-        except Exception:  # noqa: S110 - parent gone
-            pass
-
-
-def _child_loop(conn, role, spec, ranks, num_blocks, config, incarnation, serve_first) -> None:
-    torch.set_num_threads(1)
-    local = LocalRanks.start(role, spec, ranks, num_blocks, config, incarnation=incarnation,
-                             serve=serve_first)
-    caches, engines, server = local.caches, local.engines, local.server
-    if server is not None:
-        conn.send(("ready", server.host, server.port, None))
-    else:
-        conn.send(("ready", None, None, {r: e.metadata() for r, e in engines.items()}))
-    # decode: rid -> (seed, ntok, first token, local ids, prefill spec)
-    pending: dict[str, tuple] = {}
-    to_verify: list[tuple[int, str]] = []
-    loaded_at: dict[str, float] = {}
-    call_us: dict[tuple[int, str], float] = {}
-    verify_now = False
-    last_cmd = time.monotonic()
-    running = True
-    while running:
-        busy = to_verify or any(len(e.tracker) if role == "d" else e.held for e in engines.values())
-        # wait in select() (GIL released) rather than spin: the engine worker thread needs the GIL;
-        # an engine whose worker reported something (posted READs) wakes the wait at once
-        while conn in wait([conn, *engines.values()], 0.0002 if busy else 0.005):
-            cmd, arg = conn.recv()
-            last_cmd = time.monotonic()
-            if cmd == "close":
-                running = False
-                break
-            if cmd == "verify":  # fire and forget: check what has arrived as soon as idle
-                verify_now = True
-                continue
-            if cmd == "publish":  # other processes' ranks, served by this process
-                for md in arg:
-                    server.set_metadata(md.rank, md)
-                conn.send(("ok", None))
-            elif cmd == "advertise":
-                for e in engines.values():
-                    e.advertise(*arg)
-                conn.send(("ok", None))
-            elif cmd == "fill":
-                seed, ntok, block_ids = arg
-                kv = logical_kv(spec, seed, ntok)
-                for r in ranks:
-                    caches[r].fill(kv, block_ids)
-                conn.send(("ok", None))
-            elif cmd == "hold":
-                rid, block_ids, token = arg
-                for r in ranks:
-                    engines[r].hold(rid, block_ids, token)
-                conn.send(("ok", None))
-            elif cmd == "push":
-                rid, block_ids, target = arg
-                for r in ranks:
-                    engines[r].push(rid, block_ids, target)
-                conn.send(("ok", None))
-            elif cmd in ("load", "expect"):
-                rid, params, local_ids, computed, seed, ntok, pspec, verify = arg
-                if verify:  # zeroed first, so that bytes the transfer failed to write show
-                    for r in ranks:
-                        caches[r].clear(local_ids)
-                loaded_at[rid] = time.monotonic()
-                for r in ranks:
-                    if cmd == "load":
-                        t_call = time.perf_counter()
-                        engines[r].load(rid, params, local_ids, computed)
-                        call_us[(r, rid)] = (time.perf_counter() - t_call) * 1e6
-                    else:  # push: the decode engine is told the prefill geometry it rearranges from
-                        engines[r].expect(rid, params.engine_id, params.tp_size, params.token, local_ids,
-                                          prefill_block_size=pspec.block_size,
-                                          prefill_head_order=pspec.head_order,
-                                          prefill_kernel_blocks_per_block=pspec.kernel_blocks_per_block)
-                pending[rid] = (seed, ntok, computed, list(local_ids), pspec, verify)
-                conn.send(("ok", None))
-            elif cmd == "stats":
-                conn.send(("stats", {r: (e.stats, e.resource_counts()) for r, e in engines.items()}))
-            else:
-                conn.send(("error", f"unknown command {cmd!r}"))
-        if not running:
-            break
-        for r, e in engines.items():
-            if role == "p":
-                for rel in e.poll():
-                    conn.send(("released", (r, rel.request_id, rel.reason)))
-            else:
-                ev = e.poll()
-                t_done = time.monotonic()
-                for rid in ev.done:
-                    conn.send(("done", (r, rid, t_done, loaded_at.get(rid, t_done),
-                                        call_us.pop((r, rid), 0.0))))
-                    to_verify.append((r, rid))
-                for f in ev.failed:
-                    call_us.pop((r, f.request_id), None)
-                    conn.send(("failed", (r, f.request_id, f.kind.value, f.invalid_block_ids, f.message)))
-        # verify received bytes only while no transfer is in flight, so that checking one
-        # request never delays noticing that another one completed
-        # (and only once the parent asked, or nothing happened for a while: the parent may be
-        # about to submit the next request)
-        if (role == "d" and to_verify and not any(len(e.tracker) for e in engines.values())
-                and (verify_now or time.monotonic() - last_cmd > 0.5)):
-            r, rid = to_verify.pop(0)
-            seed, ntok, computed, local_ids, pspec, verify = pending[rid]
-            bad = -1
-            if verify:  # the decode engine has post-processed the blocks (pull and push)
-                bad = caches[r].verify(logical_kv(spec, seed, ntok), local_ids, computed, ntok)
-            conn.send(("verified", (r, rid, bad)))
-            if not any(x[1] == rid for x in to_verify):
-                pending.pop(rid, None)
-                loaded_at.pop(rid, None)
-            if not to_verify:
-                verify_now = False
-    local.close()
-    conn.send(("closed", None))
 
 
 # ---------------------------------------------------------------------------
@@ -217,7 +80,7 @@ class EngineGroup:
     def launch(self) -> None:
         for i, ranks in enumerate(self.groups):
             parent, child = self.ctx.Pipe()
-            p = self.ctx.Process(target=_child, args=(child, self.role, self.spec, ranks, self.num_blocks,
+            p = self.ctx.Process(target=child_main, args=(child, self.role, self.spec, ranks, self.num_blocks,
                                                   self.config, self.incarnation, i == 0), daemon=True)
             p.start()
             child.close()
@@ -367,6 +230,40 @@ class Cluster:
             self.prefill.broadcast("push", (rid, list(p_blocks), target), self._absorb)
         return params
 
+    def clear_decode(self, d_blocks: list[int]) -> None:
+        """Zero decode blocks on every decode rank now (see ``cleared`` of :meth:`submit_batch`)."""
+        self.decode.broadcast("clear", list(d_blocks), self._absorb)
+
+    def submit_batch(self, batch: list[tuple[str, int, list[int], list[int], int]], *,
+                     verify: bool = True, cleared: bool = False) -> None:
+        """Hand a batch of requests ``(rid, seed, p_blocks, d_blocks, num_tokens)`` (prefill
+        blocks already filled) to both engines the way an engine's scheduler step does: each
+        process gets the whole batch in one message, every process's message is sent before any
+        answer is awaited, and each rank starts every request of the batch before polling for
+        completions, so the requests are in flight together (see :meth:`peaks`).
+
+        With ``verify`` the decode blocks are zeroed before the load, so that bytes a transfer
+        failed to write show; ``cleared=True`` says the caller zeroed them already
+        (:meth:`clear_decode`), keeping that harness work out of the batch's time."""
+        holds, loads, pushes = [], [], []
+        dspec = self.decode.spec
+        for rid, seed, pb, db, ntok in batch:
+            token = new_token()
+            self._tokens[rid] = token
+            self.results[rid] = RequestResult(rid)
+            params = self.params(rid, pb, token)
+            holds.append((rid, list(pb), token))
+            loads.append((rid, params, list(db), 0, seed, ntok, self.prefill.spec, verify,
+                          verify and not cleared))
+            pushes.append((rid, list(pb), TransferParams(dspec.engine_id, self.decode.host, self.decode.port,
+                                                         dspec.tp_size, tuple(db), token)))
+        if self.mode == "pull":
+            self.prefill.broadcast("batch", ("hold", holds), self._absorb)
+            self.decode.broadcast("batch", ("load", loads), self._absorb)
+        else:
+            self.decode.broadcast("batch", ("expect", loads), self._absorb)
+            self.prefill.broadcast("batch", ("push", pushes), self._absorb)
+
     def load(self, rid: str, params: TransferParams, d_blocks: list[int], seed: int, ntok: int,
              computed_tokens: int = 0, verify: bool = True) -> None:
         self.results.setdefault(rid, RequestResult(rid))
@@ -436,13 +333,23 @@ class Cluster:
             self._pump(deadline - time.monotonic())
 
     def rank_stats(self, group: EngineGroup) -> dict[int, tuple]:
+        """rank -> (Stats, resource counts) of every rank of ``group``."""
+        return self._ask(group, "stats")
+
+    def peaks(self, group: EngineGroup) -> dict[int, tuple[int, int]]:
+        """rank -> (most requests outstanding at once, most live NIXL transfer handles at once)
+        since the group started: requests loading or awaited on a decode rank, held on a prefill
+        rank; the handle count is sampled once per round of the process's loop."""
+        return self._ask(group, "peaks")
+
+    def _ask(self, group: EngineGroup, cmd: str) -> dict[int, tuple]:
         out: dict[int, tuple] = {}
         for c in group.conns:
-            c.send(("stats", None))
+            c.send((cmd, None))
         for c in group.conns:
             while True:
-                msg = _recv(c, 30, "stats")
-                if msg[0] == "stats":
+                msg = _recv(c, 30, cmd)
+                if msg[0] == cmd:
                     out.update(msg[1])
                     break
                 self._absorb(msg)
