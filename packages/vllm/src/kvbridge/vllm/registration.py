@@ -70,6 +70,7 @@ def engine_config(cfg: ConnectorConfig, *, mem_type: str, model: str,
         transfer_timeout_s=cfg.transfer_timeout_seconds, mem_type=mem_type,
         model=model, attention_backend=attention_backend, enforce_compat=cfg.enforce_compat,
         record_transfers=True, huge_pages=cfg.huge_pages, auth_key=cfg.auth_key,
+        complete_in_background_s=0.5 if cfg.complete_in_background else 0.0,
     )
 
 
