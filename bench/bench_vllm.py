@@ -17,6 +17,23 @@ times, and the first-request overhead = round-0 TTFT minus the median TTFT of
 the later rounds. ``--local-baseline`` adds a non-disaggregated engine's TTFT on
 the same prompts (prefill computed locally) as a reference.
 
+Before each connector it measures single-thread memcpy of one round's bytes. At
+the end it prints every connector side by side (steady TTFT, first-request
+overhead, GB/s per round, handshake) and issue 13's targets for each kvbridge
+variant with PASS/FAIL (bench/vllm_targets.py): GB/s against memcpy, overhead,
+a clean run, and TTFT / overhead ratios against each NixlConnector variant.
+Connectors by default: kvbridge, kvbridge-step-poll (READs checked by the step
+poll only, the behaviour before ``complete_in_background``), nixl (vLLM's
+NixlConnector, defaults) and nixl-host (its documented host-buffer settings).
+
+Transfer GB/s is bytes over the sum of per-transfer durations from NIXL
+telemetry (post -> completion first seen by a state check), vLLM's convention.
+A transfer's duration therefore includes the time until its owner next checked
+it: kvbridge checks a READ from its posting thread until it completes
+(``complete_in_background``), so there it is the copy; transfers that overlap
+count their common time twice (kvbridge posts a round's READs one request
+after another, so they rarely overlap).
+
 Needs the e2e environment (scripts/setup_e2e_env.sh). Prints figures only; it
 asserts nothing about speed.
 """
@@ -35,7 +52,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "e2e"))
 
 from e2e_harness import (  # noqa: E402
-    CONNECTORS,
+    BENCH_CONNECTORS,
     DisaggRun,
     EngineConfig,
     EngineFailed,
@@ -49,6 +66,16 @@ from e2e_harness import (  # noqa: E402
     transfer_figures,
     transfer_problems,
 )
+from vllm_targets import print_tables  # noqa: E402
+
+DEFAULT_ORDER = ("kvbridge", "kvbridge-step-poll", "nixl", "nixl-host")
+
+
+def host_memcpy_gbps(nbytes: int) -> float:
+    """Single-thread memcpy of ``nbytes`` on this machine now (the baseline of every GB/s)."""
+    from kvbridge.nixl.testing.memcpy import memcpy_gbps
+
+    return memcpy_gbps(nbytes)
 
 
 def _ttfts(outputs: list[dict[str, Any]]) -> list[float]:
@@ -113,8 +140,9 @@ def print_report(results: list[dict[str, Any]], meta: dict[str, Any]) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--connector", action="append", choices=sorted(CONNECTORS),
-                    help="connector(s) to measure, in order (default: all known)")
+    ap.add_argument("--connector", action="append", choices=sorted(BENCH_CONNECTORS),
+                    help="connector(s) to measure, in order (default: kvbridge, "
+                         "kvbridge-step-poll, nixl, nixl-host)")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--num-prompts", type=int, default=4)
     ap.add_argument("--prompt-len", type=int, default=512)
@@ -143,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     if reason:
         print(reason, file=sys.stderr)
         return 2
-    names = args.connector or sorted(CONNECTORS)
+    names = args.connector or list(DEFAULT_ORDER)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="kvb-bench-"))
     model = tiny_llama(args.kv_heads, layers=args.layers, heads=args.heads,
                        head_dim=args.head_dim, intermediate=2 * args.heads * args.head_dim)
@@ -165,11 +193,13 @@ def main(argv: list[str] | None = None) -> int:
         meta["local_ttft_ms"] = statistics.fmean(t) * 1e3
         meta["local_engine_start_s"] = base.result["engine_start_s"]
     results = []
+    memcpy: list[float] = []
     for name in names:
+        memcpy.append(host_memcpy_gbps(kv_bytes))  # between engine pairs: nothing else of ours runs
         t0 = time.perf_counter()
         try:
             run = run_disaggregated(
-                CONNECTORS[name], model, prompts, args.max_tokens, workdir / name,
+                BENCH_CONNECTORS[name], model, prompts, args.max_tokens, workdir / name,
                 prefill=EngineConfig(tp=args.prefill_tp, cpus=p_cpus,
                                      engine=engine_kw),
                 decode=EngineConfig(tp=args.decode_tp, cpus=d_cpus,
@@ -178,14 +208,17 @@ def main(argv: list[str] | None = None) -> int:
             )
         except EngineFailed as exc:  # keep the other connectors' figures
             first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            results.append({"connector": CONNECTORS[name].label, "failed": first,
+            results.append({"connector": BENCH_CONNECTORS[name].label, "failed": first,
                             "wall_s": time.perf_counter() - t0,
                             "logs": str(workdir / name)})
             continue
-        res = summarise(run, CONNECTORS[name].label)
+        res = summarise(run, BENCH_CONNECTORS[name].label)
         res["wall_s"] = time.perf_counter() - t0
         results.append(res)
+    meta["memcpy_gbps"] = memcpy
     print_report(results, meta)
+    verdicts = print_tables(results, statistics.median(memcpy) if memcpy else None, memcpy)
+    meta["verdicts"] = verdicts
     if args.json:
         args.json.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
         print(f"\nfigures written to {args.json}")
