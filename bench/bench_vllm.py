@@ -11,6 +11,8 @@ decode engine:
   * time to first token with transfer (vLLM's per-request first_token_latency:
     arrival at decode -> first token, which includes handshake, pull and the
     last prompt token's forward pass), mean and max over the batch;
+  * mean queued -> scheduled time in the decode scheduler (the load's wait,
+    without the front end and the forward pass, which CPU contention inflates);
   * transfer count, seconds, bytes and GB/s (the connector's own metrics);
 and once per run the handshake phases parsed from the decode log, engine start
 times, and the first-request overhead = round-0 TTFT minus the median TTFT of
@@ -82,20 +84,34 @@ def _ttfts(outputs: list[dict[str, Any]]) -> list[float]:
     return [o["metrics"]["first_token_latency"] for o in outputs if o.get("metrics")]
 
 
+def _waits(outputs: list[dict[str, Any]]) -> list[float]:
+    """Per request: queued in the decode scheduler -> scheduled (for a remote prefill, the
+    load's wait: handshake, READs, completion seen), without front-end and forward time."""
+    out = []
+    for o in outputs:
+        m = o.get("metrics") or {}
+        if m.get("scheduled_ts") and m.get("queued_ts"):
+            out.append(m["scheduled_ts"] - m["queued_ts"])
+    return out
+
+
 def summarise(run: DisaggRun, label: str) -> dict[str, Any]:
     rounds = []
     for r, rec in enumerate(run.decode["rounds"]):
         t = _ttfts(rec["outputs"])
+        w = _waits(rec["outputs"])
         figs = transfer_figures(run, r)
         rounds.append({
             "round": r,
             "ttft_mean_ms": statistics.fmean(t) * 1e3 if t else None,
             "ttft_max_ms": max(t) * 1e3 if t else None,
+            "queued_to_scheduled_ms": statistics.fmean(w) * 1e3 if w else None,
             "decode_generate_ms": rec["generate_s"] * 1e3,
             **figs,
         })
     later = [x["ttft_mean_ms"] for x in rounds[1:] if x["ttft_mean_ms"] is not None]
     first = rounds[0]["ttft_mean_ms"]
+    waits = [x["queued_to_scheduled_ms"] for x in rounds[1:] if x["queued_to_scheduled_ms"] is not None]
     hs = handshake_timings(run.decode_log, run.connector)
     return {
         "connector": label,
@@ -105,6 +121,8 @@ def summarise(run: DisaggRun, label: str) -> dict[str, Any]:
         "rounds": rounds,
         "steady_ttft_ms": statistics.median(later) if later else None,
         "first_request_overhead_ms": (first - statistics.median(later)) if later and first else None,
+        "steady_wait_ms": statistics.median(waits) if waits else None,
+        "first_wait_ms": rounds[0]["queued_to_scheduled_ms"],
         "problems": transfer_problems(run),
     }
 
@@ -126,15 +144,39 @@ def print_report(results: list[dict[str, Any]], meta: dict[str, Any]) -> None:
               f"D {res['decode_engine_start_s']:.1f} s")
         for k, v in res["handshake_s"].items():
             print(f"  handshake {k}: " + ", ".join(f"{x * 1e3:.1f} ms" for x in v))
-        print("  round  TTFT mean  TTFT max   xfers  xfer ms   MiB      GB/s")
+        print("  round  TTFT mean  TTFT max  queue->sched  xfers  xfer ms   MiB      GB/s")
         for r in res["rounds"]:
             print(f"  {r['round']:5d}  {_fmt(r['ttft_mean_ms'], '8.1f')}  {_fmt(r['ttft_max_ms'], '8.1f')}"
+                  f"  {_fmt(r.get('queued_to_scheduled_ms'), '11.1f')}"
                   f"  {_fmt(r.get('transfers'), '6.0f')}  {_fmt((r.get('transfer_s') or 0) * 1e3, '7.2f')}"
                   f"  {_fmt((r.get('bytes') or 0) / 2**20, '7.2f')}  {_fmt(r.get('GB/s'), '7.2f')}")
         print(f"  steady TTFT (median of rounds >= 1): {_fmt(res['steady_ttft_ms'], '.1f')} ms; "
               f"first-request overhead: {_fmt(res['first_request_overhead_ms'], '.1f')} ms")
         if res["problems"]:
             print("  PROBLEMS: " + "; ".join(res["problems"]))
+
+
+def rescan(path: Path, names: list[str]) -> int:
+    """The report of an earlier run, summarised again from what it left in its workdir."""
+    old = json.loads(path.read_text())
+    meta, workdir = old["meta"], Path(old["meta"]["workdir"])
+    by_label = {r["connector"]: r for r in old["results"]}
+    results = []
+    for name in names:
+        c = BENCH_CONNECTORS[name]
+        d = workdir / name
+        if (d / "decode.json").exists() and (d / "prefill.json").exists():
+            run = DisaggRun(c, json.loads((d / "prefill.json").read_text()),
+                            json.loads((d / "decode.json").read_text()),
+                            (d / "prefill.log").read_text(errors="replace"),
+                            (d / "decode.log").read_text(errors="replace"))
+            results.append(summarise(run, c.label))
+        elif c.label in by_label:
+            results.append(by_label[c.label])
+    mc = meta.get("memcpy_gbps") or []
+    print_report(results, meta)
+    print_tables(results, statistics.median(mc) if mc else None, mc)
+    return 1 if any(r.get("failed") for r in results) else 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -165,7 +207,12 @@ def main(argv: list[str] | None = None) -> int:
                          "reported as failed and the others are still measured")
     ap.add_argument("--workdir", type=Path, default=None)
     ap.add_argument("--json", type=Path, default=None, help="write all figures here")
+    ap.add_argument("--rescan", type=Path, default=None, metavar="JSON",
+                    help="run no engine: rebuild the report from the --json of an earlier run "
+                         "(its memcpy figures, and the logs and results left in its workdir)")
     args = ap.parse_args(argv)
+    if args.rescan:
+        return rescan(args.rescan, args.connector or list(DEFAULT_ORDER))
 
     reason = missing_env_reason()
     if reason:

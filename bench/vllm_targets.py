@@ -84,18 +84,20 @@ def verdicts(results: Sequence[dict[str, Any]], memcpy_gbps: float | None) -> li
 
 
 def summary_rows(results: Sequence[dict[str, Any]]) -> list[tuple[str, ...]]:
-    """(connector, steady TTFT, first-request overhead, GB/s per round, handshake) per result."""
+    """(connector, steady TTFT, first-request overhead, queue->scheduled wait of round 0 and
+    steady, GB/s per round, handshake) per result."""
     rows = []
     for res in results:
         if res.get("failed"):
-            rows.append((res["connector"], "FAILED", "-", "-", res["failed"][:60]))
+            rows.append((res["connector"], "FAILED", "-", "-", "-", res["failed"][:60]))
             continue
         hs = res.get("handshake_s") or {}
         parts = [f"{k.removesuffix('_s')} {statistics.median(v) * 1e3:.1f}" for k, v in hs.items() if v]
         rates = [_fmt(r.get("GB/s"), ".2f") for r in res["rounds"]]
         rows.append((res["connector"], f"{_fmt(res.get('steady_ttft_ms'), '.1f')} ms",
-                     f"{_fmt(res.get('first_request_overhead_ms'), '.1f')} ms", " / ".join(rates),
-                     ", ".join(parts) + (" ms" if parts else "")))
+                     f"{_fmt(res.get('first_request_overhead_ms'), '.1f')} ms",
+                     f"{_fmt(res.get('first_wait_ms'), '.1f')} / {_fmt(res.get('steady_wait_ms'), '.1f')} ms",
+                     " / ".join(rates), ", ".join(parts) + (" ms" if parts else "")))
     return rows
 
 
@@ -106,7 +108,8 @@ def print_tables(results: Sequence[dict[str, Any]], memcpy_gbps: float | None,
     mc = ", ".join(f"{x:.2f}" for x in memcpy_all)
     print(f"memcpy (1 thread, one round's bytes, best of 5, before each connector): "
           f"{mc or '-'} GB/s; median {_fmt(memcpy_gbps, '.2f')}")
-    head = ("connector", "steady TTFT", "1st-req overhead", "GB/s rounds 0..", "handshake")
+    head = ("connector", "steady TTFT", "1st-req overhead", "queue->sched r0 / steady",
+            "GB/s rounds 0..", "handshake")
     rows = [head, *summary_rows(results)]
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     for r in rows:
