@@ -73,12 +73,13 @@ def verdicts(results: Sequence[dict[str, Any]], memcpy_gbps: float | None) -> li
             a, b = res.get("steady_ttft_ms"), other.get("steady_ttft_ms")
             ratio = a / b if a is not None and b else None
             out.append((name, f"steady TTFT {tag}", f"{_fmt(a, '.1f')} / {_fmt(b, '.1f')} ms = "
-                        f"{_fmt(ratio, '.2f')}x", f"<= {TTFT_RATIO}x",
+                        + (f"{ratio:.2f}x" if ratio is not None else "no ratio"), f"<= {TTFT_RATIO}x",
                         _check(None if ratio is None else ratio <= TTFT_RATIO)))
             a, b = res.get("first_request_overhead_ms"), other.get("first_request_overhead_ms")
             ratio = a / b if a is not None and b is not None and b > 0 else None
             out.append((name, f"first-request overhead {tag}",
-                        f"{_fmt(a, '.1f')} / {_fmt(b, '.1f')} ms = {_fmt(ratio, '.2f')}x",
+                        f"{_fmt(a, '.1f')} / {_fmt(b, '.1f')} ms = "
+                        + (f"{ratio:.2f}x" if ratio is not None else "no ratio (theirs <= 0)"),
                         f"<= {OVERHEAD_RATIO}x", _check(None if ratio is None else ratio <= OVERHEAD_RATIO)))
     return out
 

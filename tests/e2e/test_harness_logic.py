@@ -150,3 +150,13 @@ def test_targets_na_when_nixl_failed_or_figures_missing():
     # a failed kvbridge run is one FAIL, not a crash
     assert t.verdicts([{"connector": "kvbridge", "failed": "x"}], 10.0) == [
         ("kvbridge", "run", "FAILED", "finishes", "FAIL")]
+
+
+def test_targets_no_overhead_ratio_against_a_non_positive_overhead():
+    t = _targets()
+    ours = _res("kvbridge", [1.0, 9.0], steady=30.0, overhead=40.0)
+    nixl = _res("vllm-NixlConnector", [1.0, 2.0], steady=40.0, overhead=-17.0)  # noise: r0 < steady
+    got = {v[1]: v for v in t.verdicts([ours, nixl], memcpy_gbps=10.0)}
+    row = got["first-request overhead vs vllm-NixlConnector"]
+    assert row[4] == "n/a" and "no ratio" in row[2]
+    assert got["steady TTFT vs vllm-NixlConnector"][4] == "PASS"
