@@ -11,11 +11,30 @@ decode engine:
   * time to first token with transfer (vLLM's per-request first_token_latency:
     arrival at decode -> first token, which includes handshake, pull and the
     last prompt token's forward pass), mean and max over the batch;
+  * mean queued -> scheduled time in the decode scheduler (the load's wait,
+    without the front end and the forward pass, which CPU contention inflates);
   * transfer count, seconds, bytes and GB/s (the connector's own metrics);
 and once per run the handshake phases parsed from the decode log, engine start
 times, and the first-request overhead = round-0 TTFT minus the median TTFT of
 the later rounds. ``--local-baseline`` adds a non-disaggregated engine's TTFT on
 the same prompts (prefill computed locally) as a reference.
+
+Before each connector it measures single-thread memcpy of one round's bytes. At
+the end it prints every connector side by side (steady TTFT, first-request
+overhead, GB/s per round, handshake) and issue 13's targets for each kvbridge
+variant with PASS/FAIL (bench/vllm_targets.py): GB/s against memcpy, overhead,
+a clean run, and TTFT / overhead ratios against each NixlConnector variant.
+Connectors by default: kvbridge, kvbridge-step-poll (READs checked by the step
+poll only, the behaviour before ``complete_in_background``), nixl (vLLM's
+NixlConnector, defaults) and nixl-host (its documented host-buffer settings).
+
+Transfer GB/s is bytes over the sum of per-transfer durations from NIXL
+telemetry (post -> completion first seen by a state check), vLLM's convention.
+A transfer's duration therefore includes the time until its owner next checked
+it: kvbridge checks a READ from its posting thread until it completes
+(``complete_in_background``), so there it is the copy; transfers that overlap
+count their common time twice (kvbridge posts a round's READs one request
+after another, so they rarely overlap).
 
 Needs the e2e environment (scripts/setup_e2e_env.sh). Prints figures only; it
 asserts nothing about speed.
@@ -35,7 +54,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "e2e"))
 
 from e2e_harness import (  # noqa: E402
-    CONNECTORS,
+    BENCH_CONNECTORS,
     DisaggRun,
     EngineConfig,
     EngineFailed,
@@ -49,26 +68,50 @@ from e2e_harness import (  # noqa: E402
     transfer_figures,
     transfer_problems,
 )
+from vllm_targets import print_tables  # noqa: E402
+
+DEFAULT_ORDER = ("kvbridge", "kvbridge-step-poll", "nixl", "nixl-host")
+
+
+def host_memcpy_gbps(nbytes: int) -> float:
+    """Single-thread memcpy of ``nbytes`` on this machine now (the baseline of every GB/s)."""
+    from kvbridge.nixl.testing.memcpy import memcpy_gbps
+
+    return memcpy_gbps(nbytes)
 
 
 def _ttfts(outputs: list[dict[str, Any]]) -> list[float]:
     return [o["metrics"]["first_token_latency"] for o in outputs if o.get("metrics")]
 
 
+def _waits(outputs: list[dict[str, Any]]) -> list[float]:
+    """Per request: queued in the decode scheduler -> scheduled (for a remote prefill, the
+    load's wait: handshake, READs, completion seen), without front-end and forward time."""
+    out = []
+    for o in outputs:
+        m = o.get("metrics") or {}
+        if m.get("scheduled_ts") and m.get("queued_ts"):
+            out.append(m["scheduled_ts"] - m["queued_ts"])
+    return out
+
+
 def summarise(run: DisaggRun, label: str) -> dict[str, Any]:
     rounds = []
     for r, rec in enumerate(run.decode["rounds"]):
         t = _ttfts(rec["outputs"])
+        w = _waits(rec["outputs"])
         figs = transfer_figures(run, r)
         rounds.append({
             "round": r,
             "ttft_mean_ms": statistics.fmean(t) * 1e3 if t else None,
             "ttft_max_ms": max(t) * 1e3 if t else None,
+            "queued_to_scheduled_ms": statistics.fmean(w) * 1e3 if w else None,
             "decode_generate_ms": rec["generate_s"] * 1e3,
             **figs,
         })
     later = [x["ttft_mean_ms"] for x in rounds[1:] if x["ttft_mean_ms"] is not None]
     first = rounds[0]["ttft_mean_ms"]
+    waits = [x["queued_to_scheduled_ms"] for x in rounds[1:] if x["queued_to_scheduled_ms"] is not None]
     hs = handshake_timings(run.decode_log, run.connector)
     return {
         "connector": label,
@@ -78,6 +121,8 @@ def summarise(run: DisaggRun, label: str) -> dict[str, Any]:
         "rounds": rounds,
         "steady_ttft_ms": statistics.median(later) if later else None,
         "first_request_overhead_ms": (first - statistics.median(later)) if later and first else None,
+        "steady_wait_ms": statistics.median(waits) if waits else None,
+        "first_wait_ms": rounds[0]["queued_to_scheduled_ms"],
         "problems": transfer_problems(run),
     }
 
@@ -99,9 +144,10 @@ def print_report(results: list[dict[str, Any]], meta: dict[str, Any]) -> None:
               f"D {res['decode_engine_start_s']:.1f} s")
         for k, v in res["handshake_s"].items():
             print(f"  handshake {k}: " + ", ".join(f"{x * 1e3:.1f} ms" for x in v))
-        print("  round  TTFT mean  TTFT max   xfers  xfer ms   MiB      GB/s")
+        print("  round  TTFT mean  TTFT max  queue->sched  xfers  xfer ms   MiB      GB/s")
         for r in res["rounds"]:
             print(f"  {r['round']:5d}  {_fmt(r['ttft_mean_ms'], '8.1f')}  {_fmt(r['ttft_max_ms'], '8.1f')}"
+                  f"  {_fmt(r.get('queued_to_scheduled_ms'), '11.1f')}"
                   f"  {_fmt(r.get('transfers'), '6.0f')}  {_fmt((r.get('transfer_s') or 0) * 1e3, '7.2f')}"
                   f"  {_fmt((r.get('bytes') or 0) / 2**20, '7.2f')}  {_fmt(r.get('GB/s'), '7.2f')}")
         print(f"  steady TTFT (median of rounds >= 1): {_fmt(res['steady_ttft_ms'], '.1f')} ms; "
@@ -110,11 +156,35 @@ def print_report(results: list[dict[str, Any]], meta: dict[str, Any]) -> None:
             print("  PROBLEMS: " + "; ".join(res["problems"]))
 
 
+def rescan(path: Path, names: list[str]) -> int:
+    """The report of an earlier run, summarised again from what it left in its workdir."""
+    old = json.loads(path.read_text())
+    meta, workdir = old["meta"], Path(old["meta"]["workdir"])
+    by_label = {r["connector"]: r for r in old["results"]}
+    results = []
+    for name in names:
+        c = BENCH_CONNECTORS[name]
+        d = workdir / name
+        if (d / "decode.json").exists() and (d / "prefill.json").exists():
+            run = DisaggRun(c, json.loads((d / "prefill.json").read_text()),
+                            json.loads((d / "decode.json").read_text()),
+                            (d / "prefill.log").read_text(errors="replace"),
+                            (d / "decode.log").read_text(errors="replace"))
+            results.append(summarise(run, c.label))
+        elif c.label in by_label:
+            results.append(by_label[c.label])
+    mc = meta.get("memcpy_gbps") or []
+    print_report(results, meta)
+    print_tables(results, statistics.median(mc) if mc else None, mc)
+    return 1 if any(r.get("failed") for r in results) else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--connector", action="append", choices=sorted(CONNECTORS),
-                    help="connector(s) to measure, in order (default: all known)")
+    ap.add_argument("--connector", action="append", choices=sorted(BENCH_CONNECTORS),
+                    help="connector(s) to measure, in order (default: kvbridge, "
+                         "kvbridge-step-poll, nixl, nixl-host)")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--num-prompts", type=int, default=4)
     ap.add_argument("--prompt-len", type=int, default=512)
@@ -137,13 +207,18 @@ def main(argv: list[str] | None = None) -> int:
                          "reported as failed and the others are still measured")
     ap.add_argument("--workdir", type=Path, default=None)
     ap.add_argument("--json", type=Path, default=None, help="write all figures here")
+    ap.add_argument("--rescan", type=Path, default=None, metavar="JSON",
+                    help="run no engine: rebuild the report from the --json of an earlier run "
+                         "(its memcpy figures, and the logs and results left in its workdir)")
     args = ap.parse_args(argv)
+    if args.rescan:
+        return rescan(args.rescan, args.connector or list(DEFAULT_ORDER))
 
     reason = missing_env_reason()
     if reason:
         print(reason, file=sys.stderr)
         return 2
-    names = args.connector or sorted(CONNECTORS)
+    names = args.connector or list(DEFAULT_ORDER)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="kvb-bench-"))
     model = tiny_llama(args.kv_heads, layers=args.layers, heads=args.heads,
                        head_dim=args.head_dim, intermediate=2 * args.heads * args.head_dim)
@@ -165,11 +240,13 @@ def main(argv: list[str] | None = None) -> int:
         meta["local_ttft_ms"] = statistics.fmean(t) * 1e3
         meta["local_engine_start_s"] = base.result["engine_start_s"]
     results = []
+    memcpy: list[float] = []
     for name in names:
+        memcpy.append(host_memcpy_gbps(kv_bytes))  # between engine pairs: nothing else of ours runs
         t0 = time.perf_counter()
         try:
             run = run_disaggregated(
-                CONNECTORS[name], model, prompts, args.max_tokens, workdir / name,
+                BENCH_CONNECTORS[name], model, prompts, args.max_tokens, workdir / name,
                 prefill=EngineConfig(tp=args.prefill_tp, cpus=p_cpus,
                                      engine=engine_kw),
                 decode=EngineConfig(tp=args.decode_tp, cpus=d_cpus,
@@ -178,14 +255,17 @@ def main(argv: list[str] | None = None) -> int:
             )
         except EngineFailed as exc:  # keep the other connectors' figures
             first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            results.append({"connector": CONNECTORS[name].label, "failed": first,
+            results.append({"connector": BENCH_CONNECTORS[name].label, "failed": first,
                             "wall_s": time.perf_counter() - t0,
                             "logs": str(workdir / name)})
             continue
-        res = summarise(run, CONNECTORS[name].label)
+        res = summarise(run, BENCH_CONNECTORS[name].label)
         res["wall_s"] = time.perf_counter() - t0
         results.append(res)
+    meta["memcpy_gbps"] = memcpy
     print_report(results, meta)
+    verdicts = print_tables(results, statistics.median(memcpy) if memcpy else None, memcpy)
+    meta["verdicts"] = verdicts
     if args.json:
         args.json.write_text(json.dumps({"meta": meta, "results": results}, indent=1))
         print(f"\nfigures written to {args.json}")

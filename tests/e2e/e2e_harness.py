@@ -280,9 +280,27 @@ def kvbridge_push(layerwise: bool = True) -> ConnectorUnderTest:
                                          r"push of \S+ failed", r"no decode engine offered blocks"))
 
 
-#: Connectors the bench and tests know by name.
+#: vLLM's NixlConnector with the settings its documentation gives for host buffers:
+#: ``kv_buffer_device`` "cpu" (as above) and ``num_threads`` (the UCX backend's thread count;
+#: vLLM's default is 4) at 1. vLLM has no setting for NIXL's progress thread, which stays on;
+#: UCX_TLS stays UCX's own choice (restricting it to shared memory found no transport here).
+NIXL_CONNECTOR_HOST = replace(
+    NIXL_CONNECTOR, label="vllm-NixlConnector (host settings)",
+    extra_config={**NIXL_CONNECTOR.extra_config, "num_threads": 1})
+
+#: kvbridge with READs checked only by the once-per-step poll (the behaviour before
+#: ``complete_in_background``), for before/after figures in one run.
+KVBRIDGE_STEP_POLL = replace(
+    KVBRIDGE_CONNECTOR, label="kvbridge (step poll only)",
+    extra_config={**KVBRIDGE_CONNECTOR.extra_config, "complete_in_background": False})
+
+#: Connectors the tests know by name.
 CONNECTORS: dict[str, ConnectorUnderTest] = {"kvbridge": KVBRIDGE_CONNECTOR,
                                              "nixl": NIXL_CONNECTOR}
+#: What the bench knows by name: the tested connectors and their variants.
+BENCH_CONNECTORS: dict[str, ConnectorUnderTest] = {**CONNECTORS,
+                                                   "kvbridge-step-poll": KVBRIDGE_STEP_POLL,
+                                                   "nixl-host": NIXL_CONNECTOR_HOST}
 
 
 # --------------------------------------------------------------------------- processes

@@ -99,3 +99,64 @@ def test_cpu_binding_pins_disjoint_cores_or_none() -> None:
     # three workers on two cores: never pin two engines to one core
     assert cpu_binding(2, 1, cpus=2) == ("nobind", "nobind")
     assert cpu_binding(1, 2, cpus=2) == ("nobind", "nobind")
+
+
+# --------------------------------------------------------------------------- bench targets
+
+
+def _targets():
+    import sys
+    from pathlib import Path
+
+    bench = str(Path(__file__).resolve().parents[2] / "bench")
+    if bench not in sys.path:
+        sys.path.insert(0, bench)
+    import vllm_targets
+
+    return vllm_targets
+
+
+def _res(label: str, gbps: list[float], steady: float, overhead: float, problems=()) -> dict:
+    return {"connector": label, "rounds": [{"GB/s": g} for g in gbps], "steady_ttft_ms": steady,
+            "first_request_overhead_ms": overhead, "problems": list(problems), "handshake_s": {}}
+
+
+def test_targets_pass_and_fail_per_figure():
+    t = _targets()
+    ours = _res("kvbridge", [0.1, 6.0, 5.5, 7.0], steady=30.0, overhead=40.0)
+    nixl = _res("vllm-NixlConnector", [1.0, 2.0, 2.0, 2.0], steady=40.0, overhead=100.0)
+    got = {v[1]: v[4] for v in t.verdicts([ours, nixl], memcpy_gbps=10.0)}
+    # worst later round 5.5 >= 5.0 (round 0 is not counted); 40 < 60 ms; 30/40 = 0.75 <= 0.8;
+    # 40/100 = 0.4 <= 0.5
+    assert got == {"GB/s, worst round after the first": "PASS", "first-request overhead": "PASS",
+                   "clean run (failures, ignored notifications)": "PASS",
+                   "steady TTFT vs vllm-NixlConnector": "PASS",
+                   "first-request overhead vs vllm-NixlConnector": "PASS"}
+    slow = _res("kvbridge", [9.0, 4.9, 9.0], steady=33.0, overhead=61.0,
+                problems=["decode: vllm:kvbridge_num_ignored_notifications = 2"])
+    got = {v[1]: v[4] for v in t.verdicts([slow, nixl], memcpy_gbps=10.0)}
+    assert set(got.values()) == {"FAIL"}
+
+
+def test_targets_na_when_nixl_failed_or_figures_missing():
+    t = _targets()
+    ours = _res("kvbridge", [1.0], steady=30.0, overhead=40.0)  # no round after the first
+    failed = {"connector": "vllm-NixlConnector", "failed": "deadline of 300 s passed"}
+    vs = t.verdicts([ours, failed], memcpy_gbps=None)
+    got = {v[1]: v[4] for v in vs}
+    assert got["GB/s, worst round after the first"] == "n/a"
+    assert got["steady TTFT vs vllm-NixlConnector"] == "n/a"
+    assert got["first-request overhead vs vllm-NixlConnector"] == "n/a"
+    # a failed kvbridge run is one FAIL, not a crash
+    assert t.verdicts([{"connector": "kvbridge", "failed": "x"}], 10.0) == [
+        ("kvbridge", "run", "FAILED", "finishes", "FAIL")]
+
+
+def test_targets_no_overhead_ratio_against_a_non_positive_overhead():
+    t = _targets()
+    ours = _res("kvbridge", [1.0, 9.0], steady=30.0, overhead=40.0)
+    nixl = _res("vllm-NixlConnector", [1.0, 2.0], steady=40.0, overhead=-17.0)  # noise: r0 < steady
+    got = {v[1]: v for v in t.verdicts([ours, nixl], memcpy_gbps=10.0)}
+    row = got["first-request overhead vs vllm-NixlConnector"]
+    assert row[4] == "n/a" and "no ratio" in row[2]
+    assert got["steady TTFT vs vllm-NixlConnector"][4] == "PASS"

@@ -119,6 +119,40 @@ def test_reads_posted_on_the_callers_thread():
         pair.close()
 
 
+@pytest.mark.parametrize("seconds", [0.5, 0.0])
+def test_the_posting_thread_checks_its_reads(monkeypatch, seconds):
+    """complete_in_background_s > 0: the worker that posted a READ checks it (each check lets
+    NIXL progress, and the first check that sees it done times it) before any poll(); with 0
+    only poll() checks it."""
+    pair = Pair(replace(CFG, complete_in_background_s=seconds))
+    try:
+        pair.dec.load("warm", pair.hold("warm", [2]), [3])
+        pair.run(lambda d, f, r: "warm" in d and len(r) == 2)
+        callers: list[str] = []
+        real_state = pair.dec.agent.state
+
+        def spy(x):
+            callers.append(threading.current_thread().name)
+            return real_state(x)
+
+        monkeypatch.setattr(pair.dec.agent, "state", spy)
+        pair.dec.load("a", pair.hold("a", [1, 4], seed=3), [6, 7])
+        t_end = time.monotonic() + 10
+        while pair.dec._events.empty() and time.monotonic() < t_end:  # the worker's "posted" event
+            time.sleep(0.001)
+        assert not pair.dec._events.empty(), "the worker never posted the READs"
+        t_end = time.monotonic() + (10 if seconds else 0.3)
+        while not callers and time.monotonic() < t_end:  # no poll() runs meanwhile
+            time.sleep(0.001)
+        assert bool(callers) is (seconds > 0), callers
+        assert all(name.startswith("kvbridge-handshake") for name in callers)
+        done, failed, _ = pair.run(lambda d, f, r: d == ["a"] and len(r) == 2)
+        assert not failed
+        assert pair.dc.verify(logical_kv(P, 3, 32), [6, 7], 0, 32) == 0
+    finally:
+        pair.close()
+
+
 def test_requests_wait_for_the_handshake_and_fail_with_it(pair):
     dead = TransferParams("ghost", "127.0.0.1", 1, 2, (1, 2), "tok")
     pair.dec.load("x", dead, [4, 5])
@@ -615,6 +649,8 @@ def test_engine_config_refuses_a_bad_progress_interval():
         EngineConfig(progress_interval_s=-0.001)
     with pytest.raises(ValueError, match="progress_interval_s"):
         EngineConfig(progress_interval_s=5)
+    with pytest.raises(ValueError, match="complete_in_background_s"):
+        EngineConfig(complete_in_background_s=-1)
 
 
 @pytest.mark.skipif(huge_page_size() == 0, reason="no transparent huge pages on this host")

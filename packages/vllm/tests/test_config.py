@@ -201,3 +201,17 @@ def test_auth_key_reaches_the_engine_config() -> None:
     assert eng.auth_key == KEY
     assert engine_config(parse_connector_config({}, env={}), mem_type="DRAM", model="m",
                          attention_backend="b").auth_key is None
+
+
+def test_complete_in_background_reaches_the_engine_config() -> None:
+    from kvbridge.vllm.registration import engine_config
+
+    on = engine_config(parse_connector_config({}, env={}), mem_type="DRAM", model="m",
+                       attention_backend="b")
+    assert on.complete_in_background_s > 0
+    off_cfg = parse_connector_config({}, env={"KVBRIDGE_COMPLETE_IN_BACKGROUND": "false"})
+    assert off_cfg.complete_in_background is False
+    off = engine_config(off_cfg, mem_type="DRAM", model="m", attention_backend="b")
+    assert off.complete_in_background_s == 0
+    with pytest.raises(ConfigError, match="complete_in_background"):
+        parse_connector_config({"complete_in_background": "sometimes"}, env={})

@@ -34,6 +34,10 @@ class EngineConfig:
     #: build and post READs on the worker thread, so load() and poll() never wait for NIXL
     #: (over UCX in host memory NIXL performs the copy inside the post call)
     post_in_background: bool = True
+    #: with ``post_in_background``: after posting a request's READs the worker checks them
+    #: until they complete, for at most this long (seconds; 0: only ``poll()`` checks them,
+    #: so a READ that needs progress calls advances and is seen done once per ``poll()``)
+    complete_in_background_s: float = 0.5
     #: model identity and attention backend for the handshake's compatibility hash
     model: str = "kvbridge-synthetic"
     attention_backend: str = "kvbridge"
@@ -60,6 +64,9 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"mode must be 'pull' or 'push', got {self.mode!r}")
+        if not 0 <= self.complete_in_background_s <= 60:
+            raise ValueError(f"complete_in_background_s must be within [0, 60] seconds, got "
+                             f"{self.complete_in_background_s!r}")
         for name in ("lease_s", "renew_interval_s", "handshake_timeout_s", "transfer_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive seconds")

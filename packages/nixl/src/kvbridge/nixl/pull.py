@@ -86,7 +86,7 @@ class PullReads(DecodeMode):
         e, peer = self.engine, ld.peer
         ld.queued_for = peer
         if e.config.post_in_background:
-            e._worker.submit(lambda: e._events.put(self._post_job(ld, peer)))
+            e._worker.submit(lambda: self._post_and_drive(ld, peer))
         else:
             self.on_event(self._post_job(ld, peer))
 
@@ -115,6 +115,35 @@ class PullReads(DecodeMode):
         except Exception as exc:  # the worker must survive anything
             err = f"{type(exc).__name__}: {exc}"
         return ("posted", ld, peer, parts, err, prep if prep else (time.perf_counter() - t0) * 1e6)
+
+    def _post_and_drive(self, ld: Load, peer: Peer) -> None:
+        """Worker thread: post ``ld``'s READs, report them, then check them until they complete."""
+        e = self.engine
+        event = self._post_job(ld, peer)
+        e._events.put(event)
+        if event[0] == "posted" and event[4] is None and e.config.complete_in_background_s > 0:
+            self._drive(event[3])
+
+    def _drive(self, parts: dict[int, Transfer]) -> None:
+        """Worker thread: check the READs just posted until none is in progress, for at most
+        ``complete_in_background_s`` (then ``poll()`` goes on checking them).
+
+        Over UCX in host memory a READ of large descriptors finishes only while someone
+        checks it (each check lets NIXL progress), and its telemetry records completion
+        when a check first sees it: without this the READ would progress, and be timed,
+        only at the owner's next ``poll()`` (once per vLLM step). Between checks the
+        thread sleeps briefly, releasing the agent lock and the GIL. The owner may release a
+        READ meanwhile (done, failed or timed out): its state then reads "ERR" and it is
+        no longer checked here.
+        """
+        e = self.engine
+        pending = list(parts.values())
+        end = time.monotonic() + e.config.complete_in_background_s
+        while pending:
+            pending = [x for x in pending if e.agent.state(x) == "PROC"]
+            if not pending or time.monotonic() > end:
+                return
+            time.sleep(0.00005)
 
     def _build(self, ld: Load, peer: Peer, parts: dict[int, Transfer]) -> float:
         """Make one READ per source rank (not posted); returns the microseconds it took."""

@@ -48,6 +48,7 @@ class ConnectorConfig:
     ucx_threads: int = 1
     progress_thread: bool = False
     huge_pages: bool = True
+    complete_in_background: bool = True
     lease_seconds: float = 120.0
     heartbeat_seconds: float = None  # type: ignore[assignment]  # resolved to lease / 4
     handshake_timeout_seconds: float = 10.0
@@ -120,6 +121,10 @@ CONFIG_KEYS: tuple[ConfigKey, ...] = (
     ConfigKey("huge_pages", ("KVBRIDGE_HUGE_PAGES",),
               "back host-memory KV caches with transparent huge pages before registering them "
               "(host READs run faster; no effect on GPU caches)"),
+    ConfigKey("complete_in_background", ("KVBRIDGE_COMPLETE_IN_BACKGROUND",),
+              "decode: the worker thread that posts a request's READs checks them until they "
+              "complete (else only the once-per-step poll does, and large host READs advance "
+              "only then)"),
     ConfigKey("lease_seconds", ("KVBRIDGE_LEASE_SECONDS",),
               "how long prefill holds a request's blocks for decode without renewal"),
     ConfigKey("heartbeat_seconds", ("KVBRIDGE_HEARTBEAT_SECONDS",),
@@ -271,6 +276,7 @@ _PARSERS: dict[str, Callable[[str, Any, str | None], Any]] = {
     "push_layerwise": _bool,
     "transfer_cpus": _cpus,
     "huge_pages": _bool,
+    "complete_in_background": _bool,
     "side_channel_host": _host,
     "side_channel_port": lambda k, v, e: _int(k, v, e, lo=1, hi=65535),
     "auth_key": _auth_key,
