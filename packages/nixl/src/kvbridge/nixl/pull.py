@@ -122,28 +122,7 @@ class PullReads(DecodeMode):
         event = self._post_job(ld, peer)
         e._events.put(event)
         if event[0] == "posted" and event[4] is None and e.config.complete_in_background_s > 0:
-            self._drive(event[3])
-
-    def _drive(self, parts: dict[int, Transfer]) -> None:
-        """Worker thread: check the READs just posted until none is in progress, for at most
-        ``complete_in_background_s`` (then ``poll()`` goes on checking them).
-
-        Over UCX in host memory a READ of large descriptors finishes only while someone
-        checks it (each check lets NIXL progress), and its telemetry records completion
-        when a check first sees it: without this the READ would progress, and be timed,
-        only at the owner's next ``poll()`` (once per vLLM step). Between checks the
-        thread sleeps briefly, releasing the agent lock and the GIL. The owner may release a
-        READ meanwhile (done, failed or timed out): its state then reads "ERR" and it is
-        no longer checked here.
-        """
-        e = self.engine
-        pending = list(parts.values())
-        end = time.monotonic() + e.config.complete_in_background_s
-        while pending:
-            pending = [x for x in pending if e.agent.state(x) == "PROC"]
-            if not pending or time.monotonic() > end:
-                return
-            time.sleep(0.00005)
+            e._drive(event[3].values())
 
     def _build(self, ld: Load, peer: Peer, parts: dict[int, Transfer]) -> float:
         """Make one READ per source rank (not posted); returns the microseconds it took."""

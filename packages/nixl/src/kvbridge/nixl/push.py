@@ -251,9 +251,18 @@ class PushWrites(PrefillMode):
         e, peer = self.engine, p.peer
         p.in_flight += 1
         if e.config.post_in_background:
-            e._worker.submit(lambda: e._events.put(self._post_job(p, peer, layers)))
+            e._worker.submit(lambda: self._post_and_drive(p, peer, layers))
         else:
             self.on_event(self._post_job(p, peer, layers))
+
+    def _post_and_drive(self, p: Push, peer: Peer, layers: tuple[int, ...] | None) -> None:
+        """Worker thread: post, report, then check the WRITEs until they complete (see
+        ``RankEngine._drive``), so the prefill side learns of them before its next poll."""
+        e = self.engine
+        event = self._post_job(p, peer, layers)
+        e._events.put(event)
+        if event[3] is None and e.config.complete_in_background_s > 0:
+            e._drive(event[2].values())
 
     def _post_job(self, p: Push, peer: Peer, layers: tuple[int, ...] | None) -> tuple:
         """Build and post the WRITEs of ``layers`` (None: the whole request, with notifications);

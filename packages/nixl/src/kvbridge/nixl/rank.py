@@ -336,6 +336,27 @@ class RankEngine:
             done.append(rank)
         return done, None
 
+    def _drive(self, transfers) -> None:
+        """Worker thread: check the transfers just posted until none is in progress, for at
+        most ``complete_in_background_s`` (then ``poll()`` goes on checking them).
+
+        Over UCX in host memory a READ (or WRITE) of large descriptors finishes only while
+        someone checks it (each check lets NIXL progress), and its telemetry records completion
+        when a check first sees it: without this the READ would progress, and be timed,
+        only at the owner's next ``poll()`` (once per vLLM step). Between checks the
+        thread sleeps briefly, releasing the agent lock and the GIL. The owner may release a
+        READ meanwhile (done, failed or timed out): its state then reads "ERR" and it is
+        no longer checked here.
+        """
+        e = self
+        pending = list(transfers)
+        end = time.monotonic() + e.config.complete_in_background_s
+        while pending:
+            pending = [x for x in pending if e.agent.state(x) == "PROC"]
+            if not pending or time.monotonic() > end:
+                return
+            time.sleep(0.00005)
+
     def _orphans_release(self, transfers) -> None:
         """Release transfer handles; those NIXL refuses (still active, e.g. timed out) are
         retried by :meth:`_release_transfers` on every poll until released."""

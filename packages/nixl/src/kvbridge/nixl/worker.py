@@ -65,6 +65,10 @@ class EventQueue:
         """The oldest event; raises ``queue.Empty`` when there is none."""
         return self._q.get_nowait()
 
+    def empty(self) -> bool:
+        """True when no event is queued (a snapshot: another thread may put one at once)."""
+        return self._q.empty()
+
     def fileno(self) -> int:
         """Readable while wake-ups are pending (for ``select()``-style waits)."""
         return self._r
