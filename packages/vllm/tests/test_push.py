@@ -10,9 +10,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from test_worker import BLOCK, CFG, NB, _caches, _free_port, _vllm_config
+from test_worker import CFG, _free_port
+from test_worker import Engine as WorkerEngine
 
-from kvbridge.vllm import EngineRoles, SchedulerSide, StepOrders, WorkerSide, register_caches
+from kvbridge.vllm import EngineRoles, StepOrders
 from kvbridge.vllm.pushing import TRANSFER_ID_KEY
 
 pytestmark = pytest.mark.timeout(120)
@@ -21,20 +22,13 @@ PUSH = replace(CFG, mode="push")
 PREFILL, DECODE = EngineRoles(producer=True, consumer=False), EngineRoles(producer=False, consumer=True)
 
 
-class Engine:
+class Engine(WorkerEngine):
+    """test_worker's engine pair half in push mode, stepping in vLLM 0.32's call order."""
+
     def __init__(self, engine_id: str, roles: EngineRoles, seed: int | None, cfg=PUSH) -> None:
-        self.caches = _caches(seed)
-        self.port = _free_port()
-        self.sched = SchedulerSide(engine_id=engine_id, block_size=BLOCK, tp_size=1, config=cfg,
-                                   port=self.port, roles=roles)
-        self.worker = WorkerSide(0, roles)
-        reg = register_caches(_vllm_config(), SimpleNamespace(num_blocks=NB), self.caches, cfg,
-                              engine_id=engine_id, attention_backend="test")
-        self.layers = reg.layer_names
-        self.worker.register(reg.spec, reg.regions, reg.engine_config, incarnation=f"{engine_id}-1",
-                             address=(cfg.side_channel_host, self.port), layer_names=reg.layer_names)
-        self.sched.serve({0: self.worker.handshake()})
+        super().__init__(engine_id, roles, seed, cfg)
         self.saved: list[str] = []
+        self.progress: list = []
 
     def step(self, forward: bool = False):
         """One engine step in vLLM 0.32's order: the metadata is bound, the forward pass
@@ -51,11 +45,6 @@ class Engine:
         self.worker.finish_saves(orders.push)
         return orders, self.worker.results()
 
-    progress: list = []
-
-    def close(self) -> None:
-        self.worker.close()
-        self.sched.close()
 
 
 @pytest.fixture
@@ -189,3 +178,40 @@ def test_bad_push_params_are_computed_locally(engines) -> None:
     assert d.sched.push.decode_matched("x", {"transfer_mode": "push", "do_remote_prefill": True}, 8, 0) == (0, False)
     assert p.sched.push.prefill_matched("y", {"transfer_mode": "push", "do_remote_decode": True}, 8) == (0, False)
     assert StepOrders().empty
+
+
+def test_offers_of_one_batch_are_scheduled_together() -> None:
+    """A burst of offers (a decode engine allocating a batch) releases its requests together,
+    not one per step as each offer lands."""
+    from kvbridge.handshake import PushOffer
+    from kvbridge.vllm.pushing import BATCH_CAP_S, BATCH_WINDOW_S, PushState
+
+    now = [100.0]
+    st = PushState(engine_id="P", block_size=16, tp_size=1, address=("127.0.0.1", 1), layerwise=True,
+                   wait_s=30, send_offer=None, clock=lambda: now[0])
+    st.accept_facts = dict(block_size=16, kernel_blocks_per_block=1, head_order="HND")
+
+    def offer(tid):
+        return PushOffer(protocol_version=1, transfer_id=tid, engine_id="D", host="h", port=1,
+                         tp_size=1, block_size=16, block_ids=[[1]], token="t")
+
+    for rid in ("a", "b", "c"):
+        assert st.prefill_matched(rid, _prefill_params(rid), 16) == (None, False)
+    st.on_offer(offer("a"))
+    assert st.prefill_matched("a", _prefill_params("a"), 16) == (None, False)  # b, c still coming
+    now[0] += BATCH_WINDOW_S / 2
+    st.on_offer(offer("b"))
+    assert st.prefill_matched("a", _prefill_params("a"), 16) == (None, False)
+    now[0] += BATCH_WINDOW_S * 1.5  # the burst is over: c is not part of it
+    assert st.prefill_matched("a", _prefill_params("a"), 16) == (0, False)
+    assert st.prefill_matched("b", _prefill_params("b"), 16) == (0, False)
+    assert st.prefill_matched("c", _prefill_params("c"), 16) == (None, False)
+    # a steady trickle of offers never holds a request back longer than the cap
+    st.on_offer(offer("c"))
+    for rid in ("d", "e"):
+        st.prefill_matched(rid, _prefill_params(rid), 16)
+    t0 = now[0]
+    while st.prefill_matched("c", _prefill_params("c"), 16) != (0, False):
+        now[0] += BATCH_WINDOW_S / 2
+        st.on_offer(offer(f"x{now[0]:f}"))
+    assert now[0] - t0 <= BATCH_CAP_S + BATCH_WINDOW_S

@@ -66,14 +66,15 @@ class Engine:
     def __init__(self, engine_id: str, roles: EngineRoles, seed: int | None,
                  cfg: ConnectorConfig = CFG) -> None:
         self.caches = _caches(seed)
-        port = _free_port()
+        self.port = port = _free_port()
         self.sched = SchedulerSide(engine_id=engine_id, block_size=BLOCK, tp_size=1, config=cfg,
                                    port=port, roles=roles)
         self.worker = WorkerSide(0, roles)
         reg = register_caches(_vllm_config(), SimpleNamespace(num_blocks=NB), self.caches, cfg,
                               engine_id=engine_id, attention_backend="test")
+        self.layers = reg.layer_names
         self.worker.register(reg.spec, reg.regions, reg.engine_config, incarnation=f"{engine_id}-1",
-                             address=(cfg.side_channel_host, port))
+                             address=(cfg.side_channel_host, port), layer_names=reg.layer_names)
         hs = self.worker.handshake()
         if hs is not None:
             self.sched.serve({0: hs})

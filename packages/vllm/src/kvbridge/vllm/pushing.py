@@ -49,6 +49,12 @@ log = logging.getLogger("kvbridge.vllm")
 TRANSFER_ID_KEY = "kvbridge_transfer_id"
 #: offers kept at most (a prefill engine that never sees the matching request drops the oldest)
 MAX_OFFERS = 65536
+#: a decode engine allocating a batch sends its offers back to back; a prefill request whose
+#: offer came waits while other push requests still lack theirs and the last offer arrived
+#: less than BATCH_WINDOW_S ago (at most BATCH_CAP_S after its own), so the batch is
+#: computed in one step rather than one request per forward pass
+BATCH_WINDOW_S = 0.005
+BATCH_CAP_S = 0.05
 
 
 def is_push(params: Mapping[str, Any] | None) -> bool:
@@ -114,6 +120,8 @@ class _Waiting:
     since: float
     num_prompt_tokens: int
     offer: Any = None  # kvbridge.handshake.PushOffer once it arrived
+    offer_at: float = 0.0
+    released: bool = False  # told vLLM to schedule it
     block_ids: tuple[int, ...] = ()
     ordered: bool = False
     pushed: bool = False
@@ -144,6 +152,7 @@ class PushState:
         self._lock = threading.Lock()
         # prefill side
         self._offers: dict[str, tuple[float, Any]] = {}  # transfer id -> (arrival, offer)
+        self._last_offer = float("-inf")
         self._waiting: dict[str, _Waiting] = {}
         self._pushes: list[PushOrder] = []
         self._sent: list[str] = []
@@ -167,6 +176,7 @@ class PushState:
                 oldest = min(self._offers, key=lambda k: self._offers[k][0])
                 del self._offers[oldest]
             self._offers[offer.transfer_id] = (self._clock(), offer)
+            self._last_offer = self._clock()
         return PushAccept(protocol_version=PROTOCOL_VERSION, transfer_id=offer.transfer_id,
                           engine_id=self.engine_id, tp_size=self.tp_size, incarnation=self.incarnation,
                           **facts)
@@ -186,7 +196,7 @@ class PushState:
             with self._lock:
                 got = self._offers.pop(w.transfer_id, None)
             if got is not None:
-                w.offer = got[1]
+                w.offer_at, w.offer = got
             elif self._clock() - w.since < self.wait_s:
                 return None, False
             else:
@@ -194,6 +204,13 @@ class PushState:
                             "%.0f s; computing it without a transfer", request_id, w.transfer_id,
                             self.wait_s)
                 self._waiting.pop(request_id, None)
+                return 0, False
+        if not w.released:
+            now = self._clock()
+            burst = now - self._last_offer < BATCH_WINDOW_S and now - w.offer_at < BATCH_CAP_S
+            if burst and any(o.offer is None for r, o in self._waiting.items() if r != request_id):
+                return None, False  # more offers of this batch are coming
+            w.released = True
         return 0, False
 
     def prefill_after_alloc(self, request_id: str, block_ids: Sequence[Sequence[int]]) -> None:
