@@ -75,12 +75,12 @@ class PushReceiver(DecodeMode):
             self._apply(n)
 
     def _keep_early(self, n: Notification) -> None:
-        e = self.engine
-        self._expire_early(time.monotonic())
+        e, now = self.engine, time.monotonic()
+        self._expire_early(now)
         if self._early_count >= self.MAX_EARLY:
             e.stats.notifications_unknown += 1
             return
-        self._early.setdefault(n.request_id, []).append((time.monotonic(), n))
+        self._early.setdefault(n.request_id, []).append((now, n))
         self._early_count += 1
 
     def _expire_early(self, now: float) -> None:

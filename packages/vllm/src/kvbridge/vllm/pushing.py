@@ -294,10 +294,8 @@ class PushState:
                       tp_size=self.tp_size, block_size=self.block_size, block_ids=groups,
                       token=token, computed_tokens=computed_blocks * self.block_size,
                       incarnation=self.incarnation, request_id=request_id)
-        if not groups or not groups[0]:
-            self._submit(lambda: self._offer(request_id, host, port, fields, expect=False))
-        else:
-            self._submit(lambda: self._offer(request_id, host, port, fields, expect=True))
+        expect = bool(groups and groups[0])  # nothing to receive: the offer only frees prefill
+        self._submit(lambda: self._offer(request_id, host, port, fields, expect=expect))
 
     def _offer(self, request_id: str, host: str, port: int, fields: dict[str, Any], *,
                expect: bool) -> None:
