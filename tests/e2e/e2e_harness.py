@@ -311,6 +311,9 @@ class EngineConfig:
     """How one engine runs: TP size, CPU cores, overrides for ``vllm.LLM``."""
 
     tp: int = 1
+    # VLLM_ENABLE_V1_MULTIPROCESSING: True runs the engine core in the runner's process
+    # (starts faster; idle between commands), False in its own process, None: vLLM's default.
+    in_process: bool | None = None
     # VLLM_CPU_OMP_THREADS_BIND: "0", "1", "0|1" for TP 2, or "nobind" (one OpenMP thread
     # per worker, placed by the OS). Engines of one run must never share a pinned core:
     # vLLM's CPU workers spin while idle, and a worker pinned next to a spinning worker
@@ -322,6 +325,8 @@ class EngineConfig:
         env = {"VLLM_CPU_OMP_THREADS_BIND": self.cpus}
         if self.cpus == "nobind":
             env["OMP_NUM_THREADS"] = "1"
+        if self.in_process is not None:
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if self.in_process else "1"
         return env
 
     def llm_kwargs(self) -> dict[str, Any]:
@@ -658,8 +663,10 @@ def transfer_problems(run: DisaggRun) -> list[str]:
     problems = []
     for side, res in (("prefill", run.prefill), ("decode", run.decode)):
         metrics = res.get("metrics_end") or res["rounds"][-1].get("metrics", [])
+        # counters grow over an engine's life: only what moved during this run counts
+        start = res.get("metrics_start", [])
         for name in c.failure_counters:
-            v = metric_total(metrics, name)
+            v = metric_total(metrics, name) - metric_total(start, name)
             if v:
                 problems.append(f"{side}: {name} = {v:g}")
     for side, log in (("prefill", run.prefill_log), ("decode", run.decode_log)):

@@ -40,6 +40,28 @@ writes it when the other side died) or a wait passes wait_timeout_s.
 Per round the result holds, per prompt, the generated token ids, finish reason,
 the returned kv_transfer_params and request timings, plus the engine's metrics
 (``llm.get_metrics()``) after the round. A non-zero exit means failure.
+
+Long-lived mode, for tests that reuse one engine across scenarios:
+
+    python engine_runner.py --serve INIT.json
+
+INIT holds ``model``, ``engine``, ``kv_transfer_config`` (optional: without it the
+engine runs no connector) and ``ctrl_dir``. Once the engine is up the runner writes
+``ctrl_dir/ready.json`` (start and import seconds, pid, metrics), then reads one JSON
+command per line on stdin and answers each in ``ctrl_dir/reply_{seq}.json``:
+
+    {"seq": n, "op": "generate", "prompts": [...], "max_tokens": m,
+     "params": [kv_transfer_params or null per prompt]}
+        -> outputs (as in a round above), generate_s, metrics after
+    {"seq": n, "op": "metrics"}            -> metrics
+    {"seq": n, "op": "flush", "prompt": [...], "delay_s": 1.0}
+        -> after the delay one local 1-token request (finished sends and connector
+           stats reach the metrics), then metrics
+    {"seq": n, "op": "exit"}               -> replies, then exits 0
+
+A command that raises is answered with ``error`` and ``traceback``; the engine
+keeps serving. End of stdin ends the runner. The runner knows nothing about
+connectors: every kv_transfer_params dict comes from the harness.
 """
 
 from __future__ import annotations
@@ -138,6 +160,43 @@ def _wait_for(path: Path, exchange: Path, timeout_s: float, what: str, *,
             _set_session_nice(0)
 
 
+def _engine_kwargs(spec: dict[str, Any], *, need_connector: bool) -> dict[str, Any]:
+    """``vllm.LLM`` keyword arguments: the CPU defaults the tests need, then ``engine``."""
+    engine_kwargs: dict[str, Any] = dict(
+        model=spec["model"],
+        skip_tokenizer_init=True,
+        dtype="float32",
+        block_size=32,
+        kv_cache_memory_bytes=64 * 2**20,
+        enforce_eager=True,
+        max_model_len=1024,
+        enable_prefix_caching=False,
+        disable_log_stats=False,
+        seed=0,
+    )
+    engine_kwargs.update(spec.get("engine") or {})
+    if engine_kwargs.get("tensor_parallel_size", 1) > 1:
+        engine_kwargs.setdefault("distributed_executor_backend", "mp")
+    kv_cfg = spec.get("kv_transfer_config")
+    if need_connector and not kv_cfg:
+        raise ValueError(f"role {spec.get('role')} needs kv_transfer_config")
+    if kv_cfg:
+        from vllm.config import KVTransferConfig
+
+        engine_kwargs["kv_transfer_config"] = KVTransferConfig(**kv_cfg)
+    return engine_kwargs
+
+
+def _output_record(o: Any) -> dict[str, Any]:
+    return {
+        "request_id": o.request_id,
+        "token_ids": list(o.outputs[0].token_ids) if o.outputs else [],
+        "finish_reason": o.outputs[0].finish_reason if o.outputs else None,
+        "kv_transfer_params": o.kv_transfer_params,
+        "metrics": _request_metrics(o),
+    }
+
+
 def run(spec: dict[str, Any]) -> dict[str, Any]:
     role = spec["role"]
     if role not in ("baseline", "prefill", "decode"):
@@ -154,29 +213,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     from vllm.inputs import TokensPrompt
 
     import_s = time.perf_counter() - t_import
-
-    engine_kwargs: dict[str, Any] = dict(
-        model=spec["model"],
-        skip_tokenizer_init=True,
-        dtype="float32",
-        block_size=32,
-        kv_cache_memory_bytes=64 * 2**20,
-        enforce_eager=True,
-        max_model_len=1024,
-        enable_prefix_caching=False,
-        disable_log_stats=False,
-        seed=0,
-    )
-    engine_kwargs.update(spec.get("engine") or {})
-    if engine_kwargs.get("tensor_parallel_size", 1) > 1:
-        engine_kwargs.setdefault("distributed_executor_backend", "mp")
-    if role != "baseline":
-        kv_cfg = spec.get("kv_transfer_config")
-        if not kv_cfg:
-            raise ValueError(f"role {role} needs kv_transfer_config")
-        from vllm.config import KVTransferConfig
-
-        engine_kwargs["kv_transfer_config"] = KVTransferConfig(**kv_cfg)
+    engine_kwargs = _engine_kwargs(spec, need_connector=role != "baseline")
 
     _log(f"starting {role} engine with {sorted(engine_kwargs)}")
     t0 = time.perf_counter()
@@ -250,16 +287,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
         rec: dict[str, Any] = {
             "round": r,
             "generate_s": generate_s,
-            "outputs": [
-                {
-                    "request_id": o.request_id,
-                    "token_ids": list(o.outputs[0].token_ids) if o.outputs else [],
-                    "finish_reason": o.outputs[0].finish_reason if o.outputs else None,
-                    "kv_transfer_params": o.kv_transfer_params,
-                    "metrics": _request_metrics(o),
-                }
-                for o in outputs
-            ],
+            "outputs": [_output_record(o) for o in outputs],
         }
         if role == "decode":
             rec["waited_for_prefill_s"] = waited_s
@@ -289,7 +317,69 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
+def serve(init: dict[str, Any]) -> int:
+    """Long-lived engine: answer commands from stdin until ``exit`` or end of input."""
+    import traceback
+
+    ctrl = Path(init["ctrl_dir"])
+    t_import = time.perf_counter()
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    import_s = time.perf_counter() - t_import
+    engine_kwargs = _engine_kwargs(init, need_connector=False)
+    _log(f"starting long-lived engine {init.get('name')} with {sorted(engine_kwargs)}")
+    t0 = time.perf_counter()
+    llm = LLM(**engine_kwargs)
+    start_s = time.perf_counter() - t0
+    _log(f"engine ready in {start_s:.1f} s")
+    _write_json(ctrl / "ready.json", {"pid": os.getpid(), "import_s": import_s,
+                                      "engine_start_s": start_s, "metrics": _metrics_snapshot(llm)})
+
+    def generate(prompts: list[list[int]], max_tokens: int,
+                 params: list[dict[str, Any] | None]) -> tuple[list[Any], float]:
+        sps = [SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                              detokenize=False,
+                              extra_args={"kv_transfer_params": dict(p)} if p else None)
+               for p in params]
+        t1 = time.perf_counter()
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], sps, use_tqdm=False)
+        return outs, time.perf_counter() - t1
+
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        cmd = json.loads(line)
+        seq, op = int(cmd["seq"]), cmd.get("op")
+        reply: dict[str, Any] = {"seq": seq, "op": op}
+        try:
+            if op == "generate":
+                prompts = cmd["prompts"]
+                params = cmd.get("params") or [None] * len(prompts)
+                if not prompts or len(params) != len(prompts):
+                    raise ValueError("generate needs prompts and one params entry per prompt")
+                outs, gen_s = generate(prompts, int(cmd["max_tokens"]), params)
+                _log(f"command {seq}: generate of {len(prompts)} took {gen_s * 1e3:.1f} ms")
+                reply.update(generate_s=gen_s, outputs=[_output_record(o) for o in outs])
+            elif op == "flush":
+                time.sleep(float(cmd.get("delay_s", 1.0)))
+                generate([cmd["prompt"]], 1, [None])
+            elif op not in ("metrics", "exit"):
+                raise ValueError(f"unknown op {op!r}")
+            reply["metrics"] = _metrics_snapshot(llm)
+        except Exception as e:  # noqa: BLE001 - reported to the harness, which raises
+            reply.update(error=repr(e), traceback=traceback.format_exc())
+            _log(f"command {seq} failed: {e!r}")
+        _write_json(ctrl / f"reply_{seq}.json", reply)
+        if op == "exit":
+            break
+    _log("serve loop ended")
+    return 0
+
+
 def main(argv: list[str]) -> int:
+    if len(argv) == 3 and argv[1] == "--serve":
+        return serve(json.loads(Path(argv[2]).read_text()))
     if len(argv) != 2:
         print(__doc__, file=sys.stderr)
         return 2
