@@ -36,6 +36,13 @@ it: kvbridge checks a READ from its posting thread until it completes
 count their common time twice (kvbridge posts a round's READs one request
 after another, so they rarely overlap).
 
+``--model-family granite|qwen3next|gemma3`` runs a tiny random checkpoint of that
+family instead of the Llama (scripts/make_tiny_hybrids.py; Mamba2 hybrid, gated
+delta-net hybrid, sliding window + full attention), by default kvbridge and nixl only
+with a short run (3 prompts of 150 tokens, 3 rounds); it prints the same decode TTFT
+and first-request overhead for both connectors. Its KV per round is the attention
+layers' share estimated as for the Llama (Mamba state comes on top).
+
 Needs the e2e environment (scripts/setup_e2e_env.sh). Prints figures only; it
 asserts nothing about speed.
 """
@@ -68,9 +75,14 @@ from e2e_harness import (  # noqa: E402
     transfer_figures,
     transfer_problems,
 )
+from families import FAMILIES, tiny_family_model  # noqa: E402
 from vllm_targets import print_tables  # noqa: E402
 
 DEFAULT_ORDER = ("kvbridge", "kvbridge-step-poll", "nixl", "nixl-host")
+#: the default connectors and run length for --model-family other than llama
+FAMILY_ORDER = ("kvbridge", "nixl")
+FAMILY_DEFAULTS = {"rounds": 3, "num_prompts": 3, "prompt_len": 150}
+LLAMA_DEFAULTS = {"rounds": 4, "num_prompts": 4, "prompt_len": 512}
 
 
 def host_memcpy_gbps(nbytes: int) -> float:
@@ -185,9 +197,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--connector", action="append", choices=sorted(BENCH_CONNECTORS),
                     help="connector(s) to measure, in order (default: kvbridge, "
                          "kvbridge-step-poll, nixl, nixl-host)")
-    ap.add_argument("--rounds", type=int, default=4)
-    ap.add_argument("--num-prompts", type=int, default=4)
-    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--model-family", choices=("llama", *FAMILIES), default="llama",
+                    help="llama: the tiny Llama of --layers/--kv-heads/...; otherwise that "
+                         "family's tiny checkpoint (shape flags ignored)")
+    ap.add_argument("--rounds", type=int, default=None, help="default 4 (3 for a family)")
+    ap.add_argument("--num-prompts", type=int, default=None, help="default 4 (3 for a family)")
+    ap.add_argument("--prompt-len", type=int, default=None, help="default 512 (150 for a family)")
     ap.add_argument("--max-tokens", type=int, default=4)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--kv-heads", type=int, default=8)
@@ -211,6 +226,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="run no engine: rebuild the report from the --json of an earlier run "
                          "(its memcpy figures, and the logs and results left in its workdir)")
     args = ap.parse_args(argv)
+    family = args.model_family != "llama"
+    for k, v in (FAMILY_DEFAULTS if family else LLAMA_DEFAULTS).items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
     if args.rescan:
         return rescan(args.rescan, args.connector or list(DEFAULT_ORDER))
 
@@ -218,18 +237,25 @@ def main(argv: list[str] | None = None) -> int:
     if reason:
         print(reason, file=sys.stderr)
         return 2
-    names = args.connector or list(DEFAULT_ORDER)
+    names = args.connector or list(FAMILY_ORDER if family else DEFAULT_ORDER)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="kvb-bench-"))
-    model = tiny_llama(args.kv_heads, layers=args.layers, heads=args.heads,
-                       head_dim=args.head_dim, intermediate=2 * args.heads * args.head_dim)
+    if family:
+        # the tiny family checkpoints: 4 layers, 2 KV heads of 32 (attention layers only move KV)
+        model = tiny_family_model(args.model_family)
+        args.layers, args.kv_heads, args.head_dim = 4, 2, 32
+    else:
+        model = tiny_llama(args.kv_heads, layers=args.layers, heads=args.heads,
+                           head_dim=args.head_dim, intermediate=2 * args.heads * args.head_dim)
     prompts = make_prompts([args.prompt_len] * args.num_prompts, seed=7)
     kv_bytes = 2 * args.layers * args.kv_heads * args.head_dim * 4 * args.prompt_len * args.num_prompts
-    engine_kw = {"kv_cache_memory_bytes": args.kv_cache_mib * 2**20,
+    engine_kw = {**(FAMILIES[args.model_family].engine if family else {}),
+                 "kv_cache_memory_bytes": args.kv_cache_mib * 2**20,
                  "max_model_len": max(1024, args.prompt_len + args.max_tokens + 32)}
     p_cpus, d_cpus = (cpu_binding(args.prefill_tp, args.decode_tp) if args.cpus == "auto"
                       else ("nobind", "nobind"))
     meta: dict[str, Any] = {
-        "model_desc": f"{args.layers} layers, {args.kv_heads} KV heads x {args.head_dim}, fp32",
+        "model_desc": (f"{FAMILIES[args.model_family].description}, fp32" if family else
+                       f"{args.layers} layers, {args.kv_heads} KV heads x {args.head_dim}, fp32"),
         "num_prompts": args.num_prompts, "prompt_len": args.prompt_len,
         "kv_bytes_per_round": kv_bytes, "rounds": args.rounds, "workdir": str(workdir), "cpus": f"prefill {p_cpus}, decode {d_cpus}",
     }

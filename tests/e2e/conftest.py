@@ -2,7 +2,8 @@
 
 Run inside the e2e environment: ``.e2e/venv/bin/python -m pytest tests/e2e``
 (after ``scripts/setup_e2e_env.sh``). Anywhere else every test here is skipped
-with the reason. Engines are separate processes; at most two run at a time.
+with the reason. Engines are separate processes, kept per test module
+(engine_pool.EnginePool); only one prefill/decode pair works at a time.
 """
 
 from __future__ import annotations
@@ -12,12 +13,9 @@ from pathlib import Path
 
 import pytest
 from e2e_harness import (
-    DEFAULT_MAX_TOKENS,
     DEFAULT_PROMPT_LENGTHS,
-    EngineConfig,
     make_prompts,
     missing_env_reason,
-    run_baseline,
     tiny_llama,
 )
 
@@ -69,23 +67,3 @@ def model_kv2() -> Path:
 @pytest.fixture(scope="session")
 def model_kv4() -> Path:
     return tiny_llama(kv_heads=4)
-
-
-def _baseline(model: Path, prompts: list[list[int]], workdir: Path) -> list[list[int]]:
-    run = run_baseline(model, prompts, DEFAULT_MAX_TOKENS, workdir, engine=EngineConfig(cpus="0"))
-    tokens = run.tokens
-    assert len(tokens) == len(prompts)
-    assert all(len(t) == DEFAULT_MAX_TOKENS for t in tokens), tokens
-    # Different prompts give different continuations: the model is not degenerate.
-    assert len({tuple(t) for t in tokens}) == len(tokens), tokens
-    return tokens
-
-
-@pytest.fixture(scope="session")
-def baseline_kv2(model_kv2: Path, prompts: list[list[int]], e2e_workdir: Path) -> list[list[int]]:
-    return _baseline(model_kv2, prompts, e2e_workdir / "baseline-kv2")
-
-
-@pytest.fixture(scope="session")
-def baseline_kv4(model_kv4: Path, prompts: list[list[int]], e2e_workdir: Path) -> list[list[int]]:
-    return _baseline(model_kv4, prompts, e2e_workdir / "baseline-kv4")

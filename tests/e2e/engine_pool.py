@@ -259,6 +259,16 @@ class EnginePool:
             self.engines[e.name] = e
         return [self.engines[d.name] for d in defs]
 
+    def round(self, prefill: Engine, decode: Engine, prompts: list[list[int]], max_tokens: int,
+              **kw: Any) -> DisaggRun:
+        """:func:`pd_round`; engines of a round that raised are stopped, so that the next
+        scenario starts fresh ones rather than inherit a half-done batch."""
+        try:
+            return pd_round(prefill, decode, prompts, max_tokens, **kw)
+        except BaseException:
+            self.discard(prefill, decode)
+            raise
+
     def discard(self, *engines: Engine) -> None:
         """Stop engines a failed scenario may have left in a bad state."""
         for e in engines:
@@ -343,3 +353,15 @@ def pd_round(prefill: Engine, decode: Engine, prompts: list[list[int]], max_toke
 
 def tokens_of(rec: Mapping[str, Any]) -> list[list[int]]:
     return [o["token_ids"] for o in rec["outputs"]]
+
+
+def baseline(engine: Engine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """:func:`local_tokens`, checked: full length, and different prompts give different
+    continuations (the model is not degenerate, so a wrong KV shows)."""
+    tokens = local_tokens(engine, prompts, max_tokens)
+    if len(tokens) != len(prompts) or any(len(t) != max_tokens for t in tokens):
+        raise AssertionError(f"{engine.name}: local run gave {[len(t) for t in tokens]} tokens, "
+                             f"expected {max_tokens} for each of {len(prompts)} prompts")
+    if len({tuple(t) for t in tokens}) != len(tokens):
+        raise AssertionError(f"{engine.name}: prompts gave equal continuations {tokens}")
+    return tokens

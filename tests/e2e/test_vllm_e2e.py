@@ -3,11 +3,29 @@
 Every test runs for each selected connector (``KVB_E2E_CONNECTORS``, see
 ``_selected``): kvbridge's ``KVBridgeConnector`` by default, vLLM's own
 NixlConnector (the reference) on request.
+
+The engines live for the whole module (engine_pool.EnginePool), one prefill/decode
+pair at work at a time; the tests run in file order and each names the engines it
+needs, so consecutive tests share them:
+
+    prefill-kv2 + decode-kv2              P/D equals decode-kv2's own local run
+    prefill-kv2-dummy + decode-kv2        negative control (only prefill swapped)
+    prefill-kv2 + decode-kv2-tp2          TP 1 -> 2
+    prefill-kv2-dummy (killed) + decode-kv2-tp2
+                                          dead prefill, never reached by decode
+    prefill-kv2 (killed) + decode-kv2-tp2 dead prefill after a handshake
+    prefill-kv4-tp2 + decode-kv4          TP 2 -> 1
+
+The baseline is each decode engine's own run of the prompts without
+kv_transfer_params (same process, same weights); the TP 2 decode engine is held
+to the TP 1 baseline, as before.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -19,12 +37,11 @@ from e2e_harness import (
     ConnectorUnderTest,
     DisaggRun,
     EngineConfig,
-    cpu_binding,
     metric_total,
-    run_disaggregated,
     transfer_figures,
     transfer_problems,
 )
+from engine_pool import EngineDef, EnginePool, baseline
 
 
 def _selected() -> list:
@@ -40,13 +57,53 @@ def _selected() -> list:
     return [pytest.param(ALL_CONNECTORS[n], id=ALL_CONNECTORS[n].label) for n in names]
 
 
-CONNECTORS = _selected()
-
 BLOCK = 32
 # Tiny model: 2 layers, head dim 32, float32 -> K and V bytes per token per KV head.
 BYTES_PER_TOKEN_PER_HEAD = 2 * 2 * 32 * 4
 
 pytestmark = pytest.mark.timeout(1800)
+
+# One OpenMP thread per worker, placed by the OS: engines are reused across pairs (the
+# TP 1 prefill serves a TP 2 decode later), so no engine may pin a core another needs.
+TP1 = EngineConfig(cpus="nobind", in_process=True)
+TP2 = replace(TP1, tp=2)
+
+
+@pytest.fixture(scope="module", params=_selected())
+def connector(request: pytest.FixtureRequest) -> ConnectorUnderTest:
+    return request.param
+
+
+class Engines:
+    def __init__(self, c: ConnectorUnderTest, kv2: Path, kv4: Path) -> None:
+        self.p = EngineDef("prefill-kv2", kv2, "prefill", c, TP1)
+        self.d = EngineDef("decode-kv2", kv2, "decode", c, TP1)
+        self.p_dummy = EngineDef("prefill-kv2-dummy", kv2, "prefill", c,
+                                 replace(TP1, engine={"load_format": "dummy"}))
+        self.d_tp2 = EngineDef("decode-kv2-tp2", kv2, "decode", c, TP2)
+        self.p4_tp2 = EngineDef("prefill-kv4-tp2", kv4, "prefill", c, TP2)
+        self.d4 = EngineDef("decode-kv4", kv4, "decode", c, TP1)
+
+
+@pytest.fixture(scope="module")
+def engines(connector: ConnectorUnderTest, model_kv2: Path, model_kv4: Path) -> Engines:
+    return Engines(connector, model_kv2, model_kv4)
+
+
+@pytest.fixture(scope="module")
+def pool(connector: ConnectorUnderTest, e2e_workdir: Path) -> Iterator[EnginePool]:
+    p = EnginePool(e2e_workdir / f"pull-{connector.label}")
+    try:
+        yield p
+    finally:
+        print(f"\n[{connector.label}] engine starts: {p.report()}")
+        p.close()
+
+
+@pytest.fixture(scope="module")
+def baseline_kv2(pool: EnginePool, engines: Engines, prompts: list[list[int]]) -> list[list[int]]:
+    (d,) = pool.use(engines.d, keep=pool.engines)
+    return baseline(d, prompts, MAX_TOKENS)
 
 
 def _check_clean_transfer(run: DisaggRun, prompts: list[list[int]], kv_heads: int) -> None:
@@ -68,13 +125,10 @@ def _check_clean_transfer(run: DisaggRun, prompts: list[list[int]], kv_heads: in
     assert all(r == "length" for r in run.decode_finish_reasons()), run.decode_finish_reasons()
 
 
-@pytest.mark.parametrize("connector", CONNECTORS)
-def test_prefill_decode_matches_baseline(
-    connector: ConnectorUnderTest, model_kv2: Path, prompts: list[list[int]],
-    baseline_kv2: list[list[int]], e2e_workdir: Path,
-) -> None:
-    run = run_disaggregated(connector, model_kv2, prompts, MAX_TOKENS,
-                            e2e_workdir / f"pd-tp1-tp1-{connector.label}")
+def test_prefill_decode_matches_baseline(pool: EnginePool, engines: Engines, prompts: list[list[int]],
+                                         baseline_kv2: list[list[int]]) -> None:
+    p, d = pool.use(engines.p, engines.d)
+    run = pool.round(p, d, prompts, MAX_TOKENS)
     decode = run.decode_tokens()
     assert all(len(t) == MAX_TOKENS for t in decode), decode
     assert decode == baseline_kv2
@@ -83,16 +137,12 @@ def test_prefill_decode_matches_baseline(
     _check_clean_transfer(run, prompts, kv_heads=2)
 
 
-@pytest.mark.parametrize("connector", CONNECTORS)
 def test_negative_control_dummy_prefill_weights_mismatch(
-    connector: ConnectorUnderTest, model_kv2: Path, prompts: list[list[int]],
-    baseline_kv2: list[list[int]], e2e_workdir: Path,
+    pool: EnginePool, engines: Engines, prompts: list[list[int]], baseline_kv2: list[list[int]],
 ) -> None:
     """Prefill with random weights: decode must use that (wrong) KV and diverge."""
-    run = run_disaggregated(
-        connector, model_kv2, prompts, MAX_TOKENS, e2e_workdir / f"pd-dummy-{connector.label}",
-        prefill=EngineConfig(cpus="0", engine={"load_format": "dummy"}),
-    )
+    p, d = pool.use(engines.p_dummy, engines.d, keep=[engines.p.name])
+    run = pool.round(p, d, prompts, MAX_TOKENS)
     decode = run.decode_tokens()
     assert all(len(t) == MAX_TOKENS for t in decode), decode
     # The transfer itself was clean, so the mismatch comes from the pulled KV.
@@ -101,52 +151,60 @@ def test_negative_control_dummy_prefill_weights_mismatch(
     assert mismatched == list(range(len(prompts))), (decode, baseline_kv2)
 
 
-HETERO = [
-    pytest.param(2, 1, 4, id="P-tp2-D-tp1-kv4"),
-    pytest.param(1, 2, 2, id="P-tp1-D-tp2-kv2"),
-]
-
-
-@pytest.mark.parametrize("connector", CONNECTORS)
-@pytest.mark.parametrize(("p_tp", "d_tp", "kv_heads"), HETERO)
-def test_heterogeneous_tp_matches_baseline(
-    connector: ConnectorUnderTest, p_tp: int, d_tp: int, kv_heads: int,
-    request: pytest.FixtureRequest, prompts: list[list[int]], e2e_workdir: Path,
+def test_heterogeneous_tp_prefill_tp1_decode_tp2_matches_baseline(
+    pool: EnginePool, engines: Engines, prompts: list[list[int]], baseline_kv2: list[list[int]],
 ) -> None:
-    model = request.getfixturevalue(f"model_kv{kv_heads}")
-    baseline = request.getfixturevalue(f"baseline_kv{kv_heads}")
-    # Three workers on two cores: no pinning (a shared pinned core stalls transfers).
-    p_cpus, d_cpus = cpu_binding(p_tp, d_tp)
-    run = run_disaggregated(
-        connector, model, prompts, MAX_TOKENS,
-        e2e_workdir / f"pd-tp{p_tp}-tp{d_tp}-kv{kv_heads}-{connector.label}",
-        prefill=EngineConfig(tp=p_tp, cpus=p_cpus),
-        decode=EngineConfig(tp=d_tp, cpus=d_cpus),
-    )
-    assert run.decode_tokens() == baseline
-    for p in run.transfer_params():
-        assert p.get("tp_size", p_tp) == p_tp, p
-    _check_clean_transfer(run, prompts, kv_heads=kv_heads)
+    p, d = pool.use(engines.p, engines.d_tp2, keep=[engines.p_dummy.name])
+    run = pool.round(p, d, prompts, MAX_TOKENS)
+    assert run.decode_tokens() == baseline_kv2
+    for params in run.transfer_params():
+        assert params.get("tp_size", 1) == 1, params
+    _check_clean_transfer(run, prompts, kv_heads=2)
 
 
-@pytest.mark.parametrize("connector", CONNECTORS)
-def test_prefill_dies_before_pull(
-    connector: ConnectorUnderTest, model_kv2: Path, prompts: list[list[int]],
-    baseline_kv2: list[list[int]], e2e_workdir: Path,
-) -> None:
-    """Decode must neither hang nor invent tokens when the prefill engine is gone."""
-    run = run_disaggregated(
-        connector, model_kv2, prompts, MAX_TOKENS, e2e_workdir / f"pd-dead-{connector.label}",
-        kill_prefill_before_pull=True, deadline_s=600,
-    )
+def _check_dead_prefill(run: DisaggRun, connector: ConnectorUnderTest, base: list[list[int]]) -> None:
     assert run.prefill_exit is not None and run.prefill_exit != 0
     reasons = run.decode_finish_reasons()
     tokens = run.decode_tokens()
+    assert len(tokens) == len(base)
     for i, (r, t) in enumerate(zip(reasons, tokens, strict=True)):
         # Either failed per vLLM's "fail" policy, or recomputed locally (then exact).
-        assert r == "error" or t == baseline_kv2[i], (i, r, t)
-    # The failure is visible: a failure counter or a failure log line.
+        assert r == "error" or t == base[i], (i, r, t)
+    # The failure is visible: a failure counter or a failure log line (this round's).
     metrics = run.decode.get("metrics_end", [])
-    counted = sum(metric_total(metrics, n) for n in connector.failure_counters)
+    start = run.decode.get("metrics_start", [])
+    counted = sum(metric_total(metrics, n) - metric_total(start, n) for n in connector.failure_counters)
     assert counted > 0 or transfer_problems(run), run.decode_log[-3000:]
 
+
+def test_prefill_dies_before_pull(pool: EnginePool, engines: Engines, connector: ConnectorUnderTest,
+                                  prompts: list[list[int]], baseline_kv2: list[list[int]]) -> None:
+    """Decode must neither hang nor invent tokens when the prefill engine is gone (this
+    decode engine never reached it: the handshake fails)."""
+    p, d = pool.use(engines.p_dummy, engines.d_tp2, keep=[engines.p.name])
+    run = pool.round(p, d, prompts, MAX_TOKENS, kill_prefill_before_pull=True, deadline_s=600)
+    _check_dead_prefill(run, connector, baseline_kv2)
+
+
+def test_prefill_dies_after_handshake_before_pull(
+    pool: EnginePool, engines: Engines, connector: ConnectorUnderTest, prompts: list[list[int]],
+    baseline_kv2: list[list[int]],
+) -> None:
+    """As above, but decode already shook hands with that prefill engine (earlier test):
+    the READs themselves fail."""
+    p, d = pool.use(engines.p, engines.d_tp2)
+    run = pool.round(p, d, prompts, MAX_TOKENS, kill_prefill_before_pull=True, deadline_s=600)
+    _check_dead_prefill(run, connector, baseline_kv2)
+
+
+def test_heterogeneous_tp_prefill_tp2_decode_tp1_matches_baseline(
+    pool: EnginePool, engines: Engines, prompts: list[list[int]],
+) -> None:
+    (d,) = pool.use(engines.d4)
+    baseline_kv4 = baseline(d, prompts, MAX_TOKENS)
+    p, d = pool.use(engines.p4_tp2, engines.d4)
+    run = pool.round(p, d, prompts, MAX_TOKENS)
+    assert run.decode_tokens() == baseline_kv4
+    for params in run.transfer_params():
+        assert params.get("tp_size", 2) == 2, params
+    _check_clean_transfer(run, prompts, kv_heads=4)

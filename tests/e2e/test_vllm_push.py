@@ -1,11 +1,15 @@
 """Push mode through real vLLM engines: the decode engine allocates first, the prefill engine
 writes each layer as vLLM computes it (TP 1 -> 1, and the negative control) or the whole
-request after the forward pass (TP 2 -> 1); outputs must equal the non-disaggregated run,
-token for token. (Each mode with each TP pair would double the suite's engine starts;
-bench/bench_push.py runs both modes on the same prompts.)"""
+request after the forward pass (TP 2 -> 1); outputs must equal the non-disaggregated run
+(each decode engine's own local run of the prompts), token for token. (Each mode with each
+TP pair would double the suite's engine starts; bench/bench_push.py runs both modes on the
+same prompts.) Engines live for the module (engine_pool.EnginePool); the negative control
+swaps only the prefill engine."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -15,17 +19,19 @@ from e2e_harness import (
 from e2e_harness import (
     DisaggRun,
     EngineConfig,
-    cpu_binding,
     kvbridge_push,
-    run_disaggregated,
     transfer_figures,
     transfer_problems,
 )
+from engine_pool import EngineDef, EnginePool, baseline
 
 pytestmark = pytest.mark.timeout(1800)
 
 BLOCK = 32
 BYTES_PER_TOKEN_PER_HEAD = 2 * 2 * 32 * 4  # 2 layers, K and V, head dim 32, float32
+TP1 = EngineConfig(cpus="nobind", in_process=True)
+LAYERWISE = kvbridge_push()
+WHOLE = kvbridge_push(layerwise=False)
 
 
 def _check_clean_push(run: DisaggRun, prompts: list[list[int]], kv_heads: int) -> None:
@@ -45,37 +51,60 @@ def _check_clean_push(run: DisaggRun, prompts: list[list[int]], kv_heads: int) -
 LAYERS = 2  # of the tiny model
 
 
-def test_push_layer_by_layer_matches_baseline(model_kv2: Path, prompts: list[list[int]],
-                                              baseline_kv2: list[list[int]], e2e_workdir: Path) -> None:
-    run = run_disaggregated(kvbridge_push(), model_kv2, prompts, MAX_TOKENS,
-                            e2e_workdir / "push-tp1-tp1-layerwise", push=True)
-    assert run.decode_tokens() == baseline_kv2
+@pytest.fixture(scope="module")
+def pool(e2e_workdir: Path) -> Iterator[EnginePool]:
+    p = EnginePool(e2e_workdir / "push")
+    try:
+        yield p
+    finally:
+        print(f"\n[push] engine starts: {p.report()}")
+        p.close()
+
+
+@pytest.fixture(scope="module")
+def decode_kv2(model_kv2: Path) -> EngineDef:
+    return EngineDef("decode-kv2-push", model_kv2, "decode", LAYERWISE, TP1)
+
+
+@pytest.fixture(scope="module")
+def push_baseline_kv2(pool: EnginePool, decode_kv2: EngineDef, prompts: list[list[int]]) -> list[list[int]]:
+    (d,) = pool.use(decode_kv2, keep=pool.engines)
+    return baseline(d, prompts, MAX_TOKENS)
+
+
+def test_push_layer_by_layer_matches_baseline(pool: EnginePool, model_kv2: Path, decode_kv2: EngineDef,
+                                              prompts: list[list[int]],
+                                              push_baseline_kv2: list[list[int]]) -> None:
+    p, d = pool.use(EngineDef("prefill-kv2-push", model_kv2, "prefill", LAYERWISE, TP1), decode_kv2)
+    run = pool.round(p, d, prompts, MAX_TOKENS, push=True)
+    assert run.decode_tokens() == push_baseline_kv2
     _check_clean_push(run, prompts, kv_heads=2)
     # one WRITE per layer and request: the layers went out one by one
     assert run.prefill_figures()["transfers"] == LAYERS * len(prompts)
 
 
 def test_push_negative_control_dummy_prefill_weights_mismatch(
-        model_kv2: Path, prompts: list[list[int]], baseline_kv2: list[list[int]],
-        e2e_workdir: Path) -> None:
-    run = run_disaggregated(kvbridge_push(), model_kv2, prompts, MAX_TOKENS,
-                            e2e_workdir / "push-dummy", push=True,
-                            prefill=EngineConfig(cpus="0", engine={"load_format": "dummy"}))
+        pool: EnginePool, model_kv2: Path, decode_kv2: EngineDef, prompts: list[list[int]],
+        push_baseline_kv2: list[list[int]]) -> None:
+    p, d = pool.use(EngineDef("prefill-kv2-push-dummy", model_kv2, "prefill", LAYERWISE,
+                              replace(TP1, engine={"load_format": "dummy"})), decode_kv2)
+    run = pool.round(p, d, prompts, MAX_TOKENS, push=True)
     decode = run.decode_tokens()
     assert all(len(t) == MAX_TOKENS for t in decode), decode
     _check_clean_push(run, prompts, kv_heads=2)
-    mismatched = [i for i, (d, b) in enumerate(zip(decode, baseline_kv2, strict=True)) if d != b]
-    assert mismatched == list(range(len(prompts))), (decode, baseline_kv2)
+    mismatched = [i for i, (d, b) in enumerate(zip(decode, push_baseline_kv2, strict=True)) if d != b]
+    assert mismatched == list(range(len(prompts))), (decode, push_baseline_kv2)
 
 
 def test_push_whole_request_prefill_tp2_into_decode_tp1(
-        model_kv4: Path, prompts: list[list[int]], baseline_kv4: list[list[int]],
-        e2e_workdir: Path) -> None:
-    p_cpus, d_cpus = cpu_binding(2, 1)
-    run = run_disaggregated(kvbridge_push(layerwise=False), model_kv4, prompts, MAX_TOKENS,
-                            e2e_workdir / "push-tp2-tp1-kv4-whole", push=True,
-                            prefill=EngineConfig(tp=2, cpus=p_cpus), decode=EngineConfig(tp=1, cpus=d_cpus))
-    assert run.decode_tokens() == baseline_kv4
+        pool: EnginePool, model_kv4: Path, prompts: list[list[int]]) -> None:
+    d_def = EngineDef("decode-kv4-push", model_kv4, "decode", WHOLE, TP1)
+    (d,) = pool.use(d_def)
+    base = baseline(d, prompts, MAX_TOKENS)
+    p, d = pool.use(EngineDef("prefill-kv4-tp2-push", model_kv4, "prefill", WHOLE, replace(TP1, tp=2)),
+                    d_def)
+    run = pool.round(p, d, prompts, MAX_TOKENS, push=True)
+    assert run.decode_tokens() == base
     _check_clean_push(run, prompts, kv_heads=4)
     # one WRITE per request from each of the two prefill ranks
     assert run.prefill_figures()["transfers"] == 2 * len(prompts)

@@ -1,0 +1,307 @@
+"""Model families beyond plain Llama for the end-to-end tests: tiny checkpoints and the
+scenarios every family module runs (imports neither vLLM nor torch).
+
+Each family module (test_family_*.py) keeps one :class:`~engine_pool.EnginePool` and
+runs, in file order: vLLM's NixlConnector as the reference (P/D equals the decode
+engine's own run, first and steady TTFT), then KVBridgeConnector on the same model
+and prompts (equal to its decode engine's own run and to the reference's baseline),
+the negative control (prefill with random weights), and the failure case (prefill
+killed before the pull). :data:`FIGURES` collects the TTFTs; :func:`print_comparison`
+prints both connectors side by side.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import statistics
+import subprocess
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+from e2e_harness import (
+    KVBRIDGE_CONNECTOR,
+    NIXL_CONNECTOR,
+    REPO_ROOT,
+    ConnectorUnderTest,
+    DisaggRun,
+    EngineConfig,
+    EngineFailed,
+    e2e_python,
+    make_prompts,
+    metric_total,
+    missing_env_reason,
+    transfer_figures,
+    transfer_problems,
+)
+from engine_pool import Engine, EngineDef, EnginePool, baseline, local_tokens
+
+HYBRID_SCRIPT = REPO_ROOT / "scripts" / "make_tiny_hybrids.py"
+#: longer than the sliding window (32) and than the Mamba chunk (64 in the tiny Granite)
+PROMPT_LENGTHS = (20, 70, 150)
+MAX_TOKENS = 16
+TP1 = EngineConfig(cpus="nobind", in_process=True)
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model family: how its tiny checkpoint is built and how vLLM runs it."""
+
+    name: str
+    description: str
+    #: extra ``vllm.LLM`` arguments (the runner's defaults: float32, eager, no prefix caching)
+    engine: dict[str, Any] = field(default_factory=dict)
+
+    def config(self, tp: int = 1, **engine: Any) -> EngineConfig:
+        return replace(TP1, tp=tp, engine={**self.engine, **engine})
+
+
+FAMILIES: dict[str, Family] = {
+    "granite": Family("granite", "GraniteMoeHybrid: Mamba2, attention, Mamba2, attention"),
+    "qwen3next": Family("qwen3next", "Qwen3-Next: 3 gated delta-net layers + 1 full attention"),
+    "gemma3": Family("gemma3", "Gemma3: 3 sliding-window (32) + 1 full attention layer"),
+}
+
+
+def tiny_family_model(family: str, *, seed: int = 0, cache_dir: Path | None = None,
+                      python: str | None = None) -> Path:
+    """Build (once, cached) the tiny random checkpoint of ``family`` and return its folder."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown model family {family!r}; choose one of {', '.join(FAMILIES)}")
+    cache_dir = cache_dir or REPO_ROOT / ".e2e" / "models"
+    out = cache_dir / f"tiny-{family}-s{seed}"
+    if (out / "kvbridge_tiny_hybrid.json").exists() and (out / "config.json").exists():
+        return out
+    py = python or e2e_python()
+    if py is None:
+        raise RuntimeError(missing_env_reason() or "no e2e python")
+    tmp = cache_dir / f".tmp{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    subprocess.run([py, str(HYBRID_SCRIPT), str(tmp), "--family", family, "--seed", str(seed)],
+                   check=True, timeout=600, capture_output=True)
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp / out.name, out)
+    shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def family_prompts(seed: int = 4321) -> list[list[int]]:
+    return make_prompts(PROMPT_LENGTHS, seed=seed)
+
+
+def engine_defs(family: Family, model: Path, connector: ConnectorUnderTest, tag: str
+                ) -> dict[str, EngineDef]:
+    """The engines a family module may use with one connector."""
+    return {
+        "p": EngineDef(f"{tag}-prefill", model, "prefill", connector, family.config()),
+        "d": EngineDef(f"{tag}-decode", model, "decode", connector, family.config()),
+        "p_dummy": EngineDef(f"{tag}-prefill-dummy", model, "prefill", connector,
+                             family.config(load_format="dummy")),
+        "p_tp2": EngineDef(f"{tag}-prefill-tp2", model, "prefill", connector, family.config(tp=2)),
+        "d_tp2": EngineDef(f"{tag}-decode-tp2", model, "decode", connector, family.config(tp=2)),
+    }
+
+
+#: TTFT figures per family and connector label: {"first_ms", "steady_ms"}
+FIGURES: dict[str, dict[str, dict[str, float]]] = {}
+
+
+def ttft_ms(run: DisaggRun) -> float:
+    """Mean decode time to first token (vLLM's first_token_latency) of a round, in ms."""
+    t = [o["metrics"]["first_token_latency"] for o in run.decode["rounds"][0]["outputs"]
+         if o.get("metrics") and o["metrics"].get("first_token_latency") is not None]
+    return statistics.fmean(t) * 1e3 if t else float("nan")
+
+
+def record_ttft(family: str, label: str, first: DisaggRun, later: list[DisaggRun]) -> dict[str, float]:
+    steady = statistics.median(ttft_ms(r) for r in later)
+    figs = {"first_ms": ttft_ms(first), "steady_ms": steady, "overhead_ms": ttft_ms(first) - steady}
+    FIGURES.setdefault(family, {})[label] = figs
+    return figs
+
+
+def print_comparison(family: str) -> str:
+    rows = FIGURES.get(family, {})
+    lines = [f"{family}: decode TTFT (mean over the prompts) and first-request overhead "
+             "(first round minus the steady rounds' median)"]
+    for label, f in rows.items():
+        lines.append(f"  {label:24s} first {f['first_ms']:8.1f} ms  steady {f['steady_ms']:8.1f} ms  "
+                     f"overhead {f['overhead_ms']:8.1f} ms")
+    text = "\n".join(lines)
+    print("\n" + text)
+    return text
+
+
+def check_clean(run: DisaggRun, n_prompts: int) -> None:
+    """Every request answered with transfer parameters, no failure counter or log line,
+    KV moved, and decode computed only the tail (finish reason length)."""
+    params = run.transfer_params()
+    assert len(params) == n_prompts and all(isinstance(p, dict) and p for p in params), params
+    assert transfer_problems(run) == []
+    figs = transfer_figures(run)
+    assert figs.get("transfers", 0) > 0 and figs.get("bytes", 0) > 0, figs
+    assert all(r == "length" for r in run.decode_finish_reasons()), run.decode_finish_reasons()
+
+
+def failure_counted(run: DisaggRun) -> float:
+    start, end = run.decode.get("metrics_start", []), run.decode.get("metrics_end", [])
+    return sum(metric_total(end, n) - metric_total(start, n) for n in run.connector.failure_counters)
+
+
+def family_pool(workdir: Path, family: str) -> EnginePool:
+    return EnginePool(workdir / f"family-{family}")
+
+
+KVBRIDGE = KVBRIDGE_CONNECTOR
+NIXL = NIXL_CONNECTOR
+
+
+# --------------------------------------------------------------------------- scenarios
+
+#: what KVBridgeConnector says when it refuses a model (kvbridge.vllm.config); a kvbridge
+#: test whose engines fail to start with one of these is an expected failure until the
+#: connector serves the family (the test still fails on any other error)
+REFUSALS = ("KV-cache groups", "several KV-cache groups", "not supported yet")
+
+
+def refusal_line(log: str) -> str | None:
+    for line in log.splitlines():
+        if any(r in line for r in REFUSALS) and ("Error" in line or "error" in line):
+            return line.strip()[:400]
+    return None
+
+
+class FamilyScenarios:
+    """The family tests; a module subclasses it as ``Test<Family>`` and sets ``family``
+    (and ``hetero_tp`` for TP 2 -> 1 and 1 -> 2). The methods run in this order and share
+    engines through the class's pool (one prefill/decode pair working at a time)."""
+
+    family: str = ""
+    hetero_tp: bool = False
+    rounds: int = 3  # the first pays handshakes; the others give the steady TTFT
+
+    # ---------------------------------------------------------------- fixtures
+
+    @pytest.fixture(scope="class")
+    def model(self) -> Path:
+        return tiny_family_model(self.family)
+
+    @pytest.fixture(scope="class")
+    def prompts(self) -> list[list[int]]:
+        return family_prompts()
+
+    @pytest.fixture(scope="class")
+    def state(self) -> dict[str, Any]:
+        return {}
+
+    @pytest.fixture(scope="class")
+    def pool(self, e2e_workdir: Path) -> Iterator[EnginePool]:
+        p = family_pool(e2e_workdir, self.family)
+        try:
+            yield p
+        finally:
+            print(f"\n[{self.family}] engine starts: {p.report()}")
+            print_comparison(self.family)
+            p.close()
+
+    @pytest.fixture(scope="class")
+    def nixl(self, model: Path) -> dict[str, EngineDef]:
+        return engine_defs(FAMILIES[self.family], model, NIXL, f"{self.family}-nixl")
+
+    @pytest.fixture(scope="class")
+    def kvb(self, model: Path) -> dict[str, EngineDef]:
+        return engine_defs(FAMILIES[self.family], model, KVBRIDGE, f"{self.family}-kvbridge")
+
+    # ---------------------------------------------------------------- helpers
+
+    def _kvb_use(self, pool: EnginePool, state: dict[str, Any], *defs: EngineDef,
+                 keep: Iterable[str] = ()) -> list[Engine]:
+        """``pool.use`` for kvbridge engines; an engine start that kvbridge refuses with its
+        "not supported" error makes this and every later kvbridge test of the class an
+        expected failure that quotes the refusal (any other error still fails)."""
+        if "kvb_refused" in state:
+            pytest.xfail(f"KVBridgeConnector refused {self.family}: {state['kvb_refused']}")
+        try:
+            return pool.use(*defs, keep=keep)
+        except EngineFailed:
+            logs = "\n".join((pool.workdir / d.name / "engine.log").read_text(errors="replace")
+                             for d in defs if (pool.workdir / d.name / "engine.log").exists())
+            line = refusal_line(logs)
+            if line is None:
+                raise
+            state["kvb_refused"] = line
+            pytest.xfail(f"KVBridgeConnector refused {self.family}: {line}")
+
+    def _rounds(self, pool: EnginePool, p: Engine, d: Engine, prompts: list[list[int]],
+                base: list[list[int]], label: str) -> list[DisaggRun]:
+        runs = [pool.round(p, d, prompts, MAX_TOKENS) for _ in range(self.rounds)]
+        for i, run in enumerate(runs):
+            assert run.decode_tokens() == base, f"{label} round {i}"
+            check_clean(run, len(prompts))
+        # prefill's own token is the local run's first token
+        assert [t[:1] for t in runs[0].prefill_tokens()] == [t[:1] for t in base]
+        record_ttft(self.family, label, runs[0], runs[1:])
+        return runs
+
+    # ---------------------------------------------------------------- tests
+
+    def test_nixl_reference_matches_local_run(self, pool, nixl, prompts, state) -> None:
+        p, d = pool.use(nixl["p"], nixl["d"])
+        base = baseline(d, prompts, MAX_TOKENS)
+        state["nixl_baseline"] = base
+        self._rounds(pool, p, d, prompts, base, NIXL.label)
+
+    def test_kvbridge_matches_local_run(self, pool, kvb, prompts, state) -> None:
+        p, d = self._kvb_use(pool, state, kvb["p"], kvb["d"])
+        base = baseline(d, prompts, MAX_TOKENS)
+        state["kvb_baseline"] = base
+        if "nixl_baseline" in state:  # same model, same prompts, no transfer: same tokens
+            assert base == state["nixl_baseline"]
+        self._rounds(pool, p, d, prompts, base, KVBRIDGE.label)
+        print_comparison(self.family)
+
+    def test_kvbridge_negative_control_dummy_prefill_mismatches(self, pool, kvb, prompts,
+                                                               state) -> None:
+        p, d = self._kvb_use(pool, state, kvb["p_dummy"], kvb["d"], keep=[kvb["p"].name])
+        base = state.get("kvb_baseline") or baseline(d, prompts, MAX_TOKENS)
+        run = pool.round(p, d, prompts, MAX_TOKENS)
+        check_clean(run, len(prompts))
+        mismatched = [i for i, (a, b) in enumerate(zip(run.decode_tokens(), base, strict=True))
+                      if a != b]
+        assert mismatched == list(range(len(prompts))), (run.decode_tokens(), base)
+
+    def test_kvbridge_prefill_killed_before_pull(self, pool, kvb, prompts, state) -> None:
+        """Decode must not hang, must fail or exactly recompute every request, and must
+        count the failure; it then still serves requests of its own."""
+        p, d = self._kvb_use(pool, state, kvb["p_dummy"], kvb["d"], keep=[kvb["p"].name])
+        base = state.get("kvb_baseline") or baseline(d, prompts, MAX_TOKENS)
+        run = pool.round(p, d, prompts, MAX_TOKENS, kill_prefill_before_pull=True, deadline_s=600)
+        assert run.prefill_exit not in (None, 0)
+        for i, (r, t) in enumerate(zip(run.decode_finish_reasons(), run.decode_tokens(), strict=True)):
+            assert r == "error" or t == base[i], (i, r, t)
+        assert failure_counted(run) > 0 or transfer_problems(run), run.decode_log[-3000:]
+        assert local_tokens(d, prompts, MAX_TOKENS) == base
+
+    def test_kvbridge_prefill_tp2_decode_tp1(self, pool, kvb, prompts, state) -> None:
+        if not self.hetero_tp:
+            pytest.skip(f"heterogeneous TP is tested on the Mamba2 hybrid, not {self.family}")
+        p, d = self._kvb_use(pool, state, kvb["p_tp2"], kvb["d"], keep=[kvb["p"].name])
+        base = state.get("kvb_baseline") or baseline(d, prompts, MAX_TOKENS)
+        run = pool.round(p, d, prompts, MAX_TOKENS)
+        assert run.decode_tokens() == base
+        check_clean(run, len(prompts))
+
+    def test_kvbridge_prefill_tp1_decode_tp2(self, pool, kvb, prompts, state) -> None:
+        if not self.hetero_tp:
+            pytest.skip(f"heterogeneous TP is tested on the Mamba2 hybrid, not {self.family}")
+        p, d = self._kvb_use(pool, state, kvb["p"], kvb["d_tp2"])
+        base = state.get("kvb_baseline") or state.get("nixl_baseline")
+        if base is None:
+            (d1,) = pool.use(kvb["d"], keep=[kvb["p"].name, kvb["d_tp2"].name])
+            base = baseline(d1, prompts, MAX_TOKENS)
+        run = pool.round(p, d, prompts, MAX_TOKENS)
+        assert run.decode_tokens() == base
+        check_clean(run, len(prompts))
