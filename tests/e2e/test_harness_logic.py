@@ -160,3 +160,36 @@ def test_targets_no_overhead_ratio_against_a_non_positive_overhead():
     row = got["first-request overhead vs vllm-NixlConnector"]
     assert row[4] == "n/a" and "no ratio" in row[2]
     assert got["steady TTFT vs vllm-NixlConnector"][4] == "PASS"
+
+
+def test_transfer_problems_count_only_what_moved_during_the_run() -> None:
+    """Long-lived engines keep their counters across scenarios: a failure of an earlier
+    scenario (in metrics_start) is not this run's, a new one is."""
+    name = "vllm:nixl_num_failed_transfers"
+    earlier = _run([[]], start=[_counter(name, 4)], end=[_counter(name, 4)])
+    assert transfer_problems(earlier) == []
+    more = _run([[]], start=[_counter(name, 4)], end=[_counter(name, 5)])
+    assert transfer_problems(more) == [f"decode: {name} = 1"]
+
+
+def test_engine_defs_need_a_connector_exactly_for_prefill_and_decode() -> None:
+    from pathlib import Path
+
+    import pytest
+    from e2e_harness import EngineConfig
+    from engine_pool import EngineDef
+
+    m = Path("/models/tiny")
+    EngineDef("d", m, "decode", NIXL_CONNECTOR)
+    EngineDef("l", m, "local")
+    with pytest.raises(ValueError, match="needs a connector"):
+        EngineDef("p", m, "prefill")
+    with pytest.raises(ValueError, match="role must be"):
+        EngineDef("x", m, "baseline", NIXL_CONNECTOR)
+    # the pool reuses an engine only for an equal definition
+    assert EngineDef("d", m, "decode", NIXL_CONNECTOR) == EngineDef("d", m, "decode", NIXL_CONNECTOR)
+    assert (EngineDef("d", m, "decode", NIXL_CONNECTOR, EngineConfig(tp=2))
+            != EngineDef("d", m, "decode", NIXL_CONNECTOR))
+    env = EngineConfig(cpus="nobind", in_process=True).env()
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and env["OMP_NUM_THREADS"] == "1"
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in EngineConfig().env()

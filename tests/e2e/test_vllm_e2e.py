@@ -102,7 +102,8 @@ def pool(connector: ConnectorUnderTest, e2e_workdir: Path) -> Iterator[EnginePoo
 
 @pytest.fixture(scope="module")
 def baseline_kv2(pool: EnginePool, engines: Engines, prompts: list[list[int]]) -> list[list[int]]:
-    (d,) = pool.use(engines.d, keep=pool.engines)
+    # the first test's pair starts together (two engines, two cores)
+    _, d = pool.use(engines.p, engines.d, keep=pool.engines)
     return baseline(d, prompts, MAX_TOKENS)
 
 

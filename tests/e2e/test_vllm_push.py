@@ -67,15 +67,22 @@ def decode_kv2(model_kv2: Path) -> EngineDef:
 
 
 @pytest.fixture(scope="module")
-def push_baseline_kv2(pool: EnginePool, decode_kv2: EngineDef, prompts: list[list[int]]) -> list[list[int]]:
-    (d,) = pool.use(decode_kv2, keep=pool.engines)
+def prefill_kv2(model_kv2: Path) -> EngineDef:
+    return EngineDef("prefill-kv2-push", model_kv2, "prefill", LAYERWISE, TP1)
+
+
+@pytest.fixture(scope="module")
+def push_baseline_kv2(pool: EnginePool, prefill_kv2: EngineDef, decode_kv2: EngineDef,
+                      prompts: list[list[int]]) -> list[list[int]]:
+    # the first test's pair starts together (two engines, two cores)
+    _, d = pool.use(prefill_kv2, decode_kv2, keep=pool.engines)
     return baseline(d, prompts, MAX_TOKENS)
 
 
-def test_push_layer_by_layer_matches_baseline(pool: EnginePool, model_kv2: Path, decode_kv2: EngineDef,
-                                              prompts: list[list[int]],
+def test_push_layer_by_layer_matches_baseline(pool: EnginePool, prefill_kv2: EngineDef,
+                                              decode_kv2: EngineDef, prompts: list[list[int]],
                                               push_baseline_kv2: list[list[int]]) -> None:
-    p, d = pool.use(EngineDef("prefill-kv2-push", model_kv2, "prefill", LAYERWISE, TP1), decode_kv2)
+    p, d = pool.use(prefill_kv2, decode_kv2)
     run = pool.round(p, d, prompts, MAX_TOKENS, push=True)
     assert run.decode_tokens() == push_baseline_kv2
     _check_clean_push(run, prompts, kv_heads=2)
