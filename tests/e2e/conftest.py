@@ -9,6 +9,7 @@ with the reason. Engines are separate processes, kept per test module
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -67,3 +68,58 @@ def model_kv2() -> Path:
 @pytest.fixture(scope="session")
 def model_kv4() -> Path:
     return tiny_llama(kv_heads=4)
+
+
+# --------------------------------------------------------------------------- model families
+# Class-scoped, for the family modules' Test<Family> classes (families.FamilyScenarios):
+# the class names its family in ``family``.
+
+
+@pytest.fixture(scope="class")
+def fam_model(request: pytest.FixtureRequest) -> Path:
+    from families import tiny_family_model
+
+    return tiny_family_model(request.cls.family)
+
+
+@pytest.fixture(scope="class")
+def fam_prompts() -> list[list[int]]:
+    from families import family_prompts
+
+    return family_prompts()
+
+
+@pytest.fixture(scope="class")
+def fam_state() -> dict:
+    """What one test of the class leaves for the next (baselines, a refusal)."""
+    return {}
+
+
+@pytest.fixture(scope="class")
+def fam_pool(request: pytest.FixtureRequest, e2e_workdir: Path) -> Iterator:
+    from families import family_pool, print_comparison
+
+    family = request.cls.family
+    p = family_pool(e2e_workdir, family)
+    try:
+        yield p
+    finally:
+        print(f"\n[{family}] engine starts: {p.report()}")
+        print_comparison(family)
+        p.close()
+
+
+@pytest.fixture(scope="class")
+def fam_nixl(request: pytest.FixtureRequest, fam_model: Path) -> dict:
+    from families import FAMILIES, NIXL, engine_defs
+
+    family = request.cls.family
+    return engine_defs(FAMILIES[family], fam_model, NIXL, f"{family}-nixl")
+
+
+@pytest.fixture(scope="class")
+def fam_kvb(request: pytest.FixtureRequest, fam_model: Path) -> dict:
+    from families import FAMILIES, KVBRIDGE, engine_defs
+
+    family = request.cls.family
+    return engine_defs(FAMILIES[family], fam_model, KVBRIDGE, f"{family}-kvbridge")

@@ -6,11 +6,10 @@ and heterogeneous TP 2 -> 1 and 1 -> 2 (see families.FamilyScenarios)."""
 from __future__ import annotations
 
 import pytest
-from families import FamilyScenarios
+from families import HeteroTPScenarios
 
 pytestmark = pytest.mark.timeout(1800)
 
 
-class TestGraniteHybrid(FamilyScenarios):
+class TestGraniteHybrid(HeteroTPScenarios):
     family = "granite"
-    hetero_tp = True
