@@ -229,3 +229,21 @@ def test_payload_with_a_dropped_field_decodes():
     old["ssm_sizes"] = [4096, 65536]
     back = decode_metadata(msgspec.msgpack.encode(old))
     assert back == md and metadata_problems(back) == []
+
+
+def test_groups_travel_in_the_engine_facts():
+    import msgspec
+
+    from kvbridge.handshake import CacheGroupFacts, EngineFacts
+    from kvbridge.topology import CacheGroup, EngineSpec, GroupKind
+
+    groups = (CacheGroup(GroupKind.FULL, (1, 3), 16), CacheGroup(GroupKind.SLIDING, (0, 2), 16, 128))
+    s = EngineSpec("p", 2, 4, 64, 4, 16, groups=groups)
+    facts = EngineFacts.from_spec(s)
+    assert facts.groups[1] == CacheGroupFacts(kind="sliding", layers=(0, 2), block_size=16,
+                                              sliding_window=128)
+    back = msgspec.msgpack.decode(msgspec.msgpack.encode(facts), type=EngineFacts)
+    assert back.to_spec() == s
+    # an older peer sends no groups: one FULL group of every layer
+    old = msgspec.msgpack.encode({k: v for k, v in msgspec.to_builtins(facts).items() if k != "groups"})
+    assert msgspec.msgpack.decode(old, type=EngineFacts).to_spec().groups == ()

@@ -168,3 +168,20 @@ def test_geometry_from_regions_matches_from_remote_numbers():
         RegionGeometry.from_remote(s, [1, 2, 3], 6, 128)
     with pytest.raises(MemoryLayoutError, match="does not match the engine description"):
         RegionGeometry.from_remote(s, [x.base_addr for x in regs.regions], 6, 64)
+
+
+def test_positions_and_group_regions():
+    """Every region records the kv_caches positions it holds; a group's layers select regions."""
+    import torch
+
+    from kvbridge.memory import regions_from_kv_caches
+    from kvbridge.topology import EngineSpec
+
+    spec = EngineSpec("e", 1, 2, 8, 3, 4, "fp32", layout="blocks-first")
+    shared = torch.zeros(6, 2, 2, 4, 8)
+    caches = {"a": shared, "b": torch.zeros(6, 2, 2, 4, 8), "c": shared, "d": torch.zeros(6, 2, 2, 4, 8)}
+    regs = regions_from_kv_caches(caches, spec)
+    assert [r.positions for r in regs.regions] == [(0, 2), (1,), (3,)]
+    assert regs.group_regions([2]) == (0,)
+    assert regs.group_regions([1, 3]) == (1, 2)
+    assert regs.group_regions([7]) == ()

@@ -135,12 +135,18 @@ def test_pipeline_and_context_parallelism_are_refused_by_name(setting: str) -> N
 @pytest.mark.parametrize(("kw", "fragment"), [
     ({"kv_role": "kv_sender"}, "kv_role must be"),
     ({"kv_role": None}, "kv_role must be"),
-    ({"kv_role": "kv_both", "kv_cache_groups": 2}, "2 KV-cache groups"),
+    ({"kv_role": "kv_both", "kv_cache_groups": 2, "config": ConnectorConfig(mode="push")},
+     "2 KV-cache groups.*pull mode only"),
 ])
 def test_other_unsupported_engines_are_refused(kw: dict, fragment: str) -> None:
     cfg = kw.pop("config", ConnectorConfig())
     with pytest.raises(ConfigError, match=fragment):
         check_engine_support(cfg, **kw)
+
+
+def test_hybrid_models_are_served_in_pull_mode() -> None:
+    roles = check_engine_support(ConnectorConfig(), kv_role="kv_both", kv_cache_groups=4)
+    assert roles.producer and roles.consumer
 
 
 def test_push_mode_is_served_layer_by_layer_unless_told_otherwise() -> None:

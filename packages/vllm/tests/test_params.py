@@ -114,9 +114,14 @@ def test_one_record_holds_the_transfer_engines_params() -> None:
 
     rp = decode_remote_prefill(encode_remote_prefill(_rp(block_ids=((4, 5, 9), (1, 2, 3)),
                                                          incarnation="inc")))
+    # a hybrid model's groups travel to the engine per group, in vLLM's group order
     assert rp.transfer == TransferParams(engine_id="P0", host="10.1.2.3", port=5600, tp_size=2,
-                                         block_ids=(4, 5, 9), token="t0k", incarnation="inc",
-                                         request_id="req-7")
+                                         block_ids=((4, 5, 9), (1, 2, 3)), token="t0k",
+                                         incarnation="inc", request_id="req-7")
     assert rp.block_ids == ((4, 5, 9), (1, 2, 3)) and rp.from_kvbridge
-    with pytest.raises(ParamsError, match="first group"):
+    with pytest.raises(ParamsError, match="as the engine takes them"):
         RemotePrefill(rp.transfer, ((1, 2),))
+    # one group (and vLLM's flat single-group form) stays flat for the engine
+    one = decode_remote_prefill(dict(encode_remote_prefill(_rp(block_ids=((4, 5, 9),))),
+                                     remote_block_ids=[4, 5, 9]))
+    assert one.transfer.block_ids == (4, 5, 9) and one.block_ids == ((4, 5, 9),)

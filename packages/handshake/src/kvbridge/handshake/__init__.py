@@ -26,6 +26,7 @@ from .errors import (
 from .metadata import (
     MEMORY_TYPES,
     AgentMetadata,
+    CacheGroupFacts,
     EngineFacts,
     MambaSpecFacts,
     check_metadata,
@@ -51,7 +52,7 @@ from .wire import (
 __all__ = [
     "DEFAULT_MAX_REPLY_BYTES", "DEFAULT_REPLAY_WINDOW_S", "AuthenticationFailed", "derive_key",
     "normalize_key", "ERROR_CODES", "MEMORY_TYPES", "PROTOCOL_VERSION", "AgentMetadata",
-    "EngineFacts", "ErrorReply", "HandshakeError", "HandshakeTimeout", "IncompatiblePeer",
+    "CacheGroupFacts", "EngineFacts", "ErrorReply", "HandshakeError", "HandshakeTimeout", "IncompatiblePeer",
     "InvalidMetadata", "MalformedReply", "MambaSpecFacts", "MetadataReply", "MetadataRequest",
     "MetadataServer", "PeerUnreachable", "RequestRejected", "ServerStats", "UnknownRank", "WrongEngine", "check_metadata",
     "compat_fields", "compatibility_hash", "decode_metadata", "encode_metadata",

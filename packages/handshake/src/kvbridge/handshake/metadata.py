@@ -13,7 +13,15 @@ import operator
 
 import msgspec
 
-from kvbridge.topology import ConvLayout, EngineSpec, HeadOrder, Layout, MambaSpec
+from kvbridge.topology import (
+    CacheGroup,
+    ConvLayout,
+    EngineSpec,
+    GroupKind,
+    HeadOrder,
+    Layout,
+    MambaSpec,
+)
 
 from .errors import InvalidMetadata
 
@@ -60,6 +68,25 @@ class MambaSpecFacts(msgspec.Struct, frozen=True, kw_only=True):
         )
 
 
+class CacheGroupFacts(msgspec.Struct, frozen=True, kw_only=True):
+    """Wire form of :class:`kvbridge.topology.CacheGroup` (the kind as its string value)."""
+
+    kind: str
+    layers: tuple[int, ...]
+    block_size: int
+    sliding_window: int | None = None
+
+    @classmethod
+    def from_group(cls, group: CacheGroup) -> CacheGroupFacts:
+        return cls(kind=GroupKind(group.kind).value, layers=tuple(group.layers),
+                   block_size=group.block_size, sliding_window=group.sliding_window)
+
+    def to_group(self) -> CacheGroup:
+        """The topology value; raises TopologyError when a field is invalid."""
+        return CacheGroup(kind=self.kind, layers=tuple(self.layers), block_size=self.block_size,
+                          sliding_window=self.sliding_window)
+
+
 class EngineFacts(msgspec.Struct, frozen=True, kw_only=True):
     """Wire form of :class:`kvbridge.topology.EngineSpec`: every field, enums as strings.
 
@@ -82,6 +109,8 @@ class EngineFacts(msgspec.Struct, frozen=True, kw_only=True):
     cross_layer: bool = False
     block_bytes: int | None = None
     extra: tuple[tuple[str, str], ...] = ()
+    #: KV-cache groups (empty: one FULL group of every layer; older peers send none)
+    groups: tuple[CacheGroupFacts, ...] = ()
 
     @classmethod
     def from_spec(cls, spec: EngineSpec) -> EngineFacts:
@@ -101,6 +130,7 @@ class EngineFacts(msgspec.Struct, frozen=True, kw_only=True):
             cross_layer=spec.cross_layer,
             block_bytes=spec.block_bytes,
             extra=tuple((str(k), str(v)) for k, v in spec.extra),
+            groups=tuple(CacheGroupFacts.from_group(g) for g in spec.groups),
         )
 
     def to_spec(self) -> EngineSpec:
@@ -121,6 +151,7 @@ class EngineFacts(msgspec.Struct, frozen=True, kw_only=True):
             cross_layer=self.cross_layer,
             block_bytes=self.block_bytes,
             extra=tuple((k, v) for k, v in self.extra),
+            groups=tuple(g.to_group() for g in self.groups),
         )
 
 

@@ -107,6 +107,8 @@ class RankDescriptors:
     #: the layer of each local role (region-major (region, element) pair), from the local
     #: geometry's ``element_roles``; empty when unknown (elements shared by several layers)
     local_role_layers: tuple[int, ...] = ()
+    #: local regions (attention keys and Mamba rows are region-major; 0: unknown)
+    local_regions: int = 0
 
     # ----- the lists -----------------------------------------------------
     def local_descs(self, strided: bool = False) -> np.ndarray:
@@ -142,6 +144,7 @@ class RankDescriptors:
         group: str = "attention",
         local_skip_blocks: int | None = None,
         layers: Sequence[int] | None = None,
+        regions: Sequence[int] | None = None,
     ) -> tuple[np.ndarray, np.ndarray]:
         """``(local_idx, remote_idx)`` int32 arrays selecting one request's descriptors.
 
@@ -158,15 +161,31 @@ class RankDescriptors:
         ``layers`` (attention only) keeps the descriptors of those model layers
         alone, in the same order: a layer-by-layer transfer selects each layer's
         share as soon as it is computed. None selects every layer.
+
+        ``regions`` (local region indices) keeps the descriptors of those regions
+        alone: the regions of one KV-cache group when groups do not share every
+        region. None selects every region.
         """
         if group == "attention":
-            return self._attn_indices(local_ids, remote_ids, local_skip_blocks, layers)
-        if layers is not None:
+            lidx, ridx = self._attn_indices(local_ids, remote_ids, local_skip_blocks, layers)
+            first, per_region = 0, self.local_kernel_blocks * self.local_units * (
+                self.attn_keys // max(1, self.local_regions))
+        elif layers is not None:
             raise MemoryLayoutError("layers selects attention descriptors only; the Mamba state "
                                     "moves with the whole request")
-        if group == "mamba":
-            return self._mamba_indices(local_ids, remote_ids)
-        raise MemoryLayoutError(f"group must be 'attention' or 'mamba', got {group!r}")
+        elif group == "mamba":
+            lidx, ridx = self._mamba_indices(local_ids, remote_ids)
+            first, per_region = self.local_attn_descs, self.local_pages * (
+                self.mamba_rows // max(1, self.local_regions))
+        else:
+            raise MemoryLayoutError(f"group must be 'attention' or 'mamba', got {group!r}")
+        if regions is None or not lidx.size:
+            return lidx, ridx
+        if not self.local_regions:
+            raise MemoryLayoutError("these descriptors do not know their regions; cannot select some")
+        keep = np.isin((lidx.astype(np.int64) - first) // per_region,
+                       np.asarray(list(regions), dtype=np.int64))
+        return lidx[keep], ridx[keep]
 
     def _attn_keys(self, layers: Sequence[int] | None) -> np.ndarray:
         """The attention keys (role x read) to select, all of them when ``layers`` is None."""
@@ -422,4 +441,5 @@ def rank_descriptors(
         remote_pages=remote.num_blocks,
         has_mamba=plan.mamba is not None,
         local_role_layers=tuple(layer for layer, _kind in local.element_roles),
+        local_regions=nreg,
     )

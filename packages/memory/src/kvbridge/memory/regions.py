@@ -36,6 +36,8 @@ class Region:
     several layers when a tensor is shared).
     ``mamba_layers`` are the Mamba layers whose conv + SSM state share the
     region's pages (conv state at page offset 0, SSM state right after it).
+    ``positions`` are the positions in ``kv_caches`` of every entry (attention or
+    Mamba layer) the region holds: the layer indices of ``CacheGroup.layers``.
     """
 
     base_addr: int
@@ -48,6 +50,8 @@ class Region:
     element_offsets: tuple[int, ...]
     roles: tuple[tuple[Role, ...], ...]
     mamba_layers: tuple[int, ...] = ()
+    #: not compared: a cross-layer cache is equal whether given as one tensor or per-layer views
+    positions: tuple[int, ...] = field(default=(), compare=False)
 
     @property
     def end_addr(self) -> int:
@@ -65,6 +69,12 @@ class CacheRegions:
     mem_type: str
     #: one tensor per region whose storage holds it (for byte views); not compared
     anchors: tuple[torch.Tensor, ...] = field(default=(), compare=False, repr=False)
+
+    def group_regions(self, layers: Sequence[int]) -> tuple[int, ...]:
+        """Indices of the regions holding any of ``layers`` (positions in ``kv_caches``, as
+        ``CacheGroup.layers`` counts them), in region order."""
+        want = {int(x) for x in layers}
+        return tuple(i for i, r in enumerate(self.regions) if want.intersection(r.positions))
 
     def registration_descs(self, merge_adjacent: bool = True) -> np.ndarray:
         """``N x 3`` uint64 ``(address, length, device)`` rows to register with NIXL.
@@ -116,6 +126,7 @@ class _View:
     mamba: list[tuple[int, int, int]]  # (offset in page, bytes, layer)
     anchor: torch.Tensor
     what: str
+    position: int = -1  # of the tensor's entry in kv_caches
 
 
 def _dense_bytes(t: torch.Tensor) -> int | None:
@@ -287,11 +298,13 @@ def regions_from_kv_caches(
     devices: set[tuple[str, int]] = set()
     attn_layer = 0
     mamba_layer = 0
-    for name, value in items:
+    for pos, (name, value) in enumerate(items):
         what = f"KV cache {name!r}"
         if isinstance(value, torch.Tensor):
             devices.add(_device_of(value))
-            views.extend(_attention_views(value, attn_layer, spec, what))
+            for v in _attention_views(value, attn_layer, spec, what):
+                v.position = pos
+                views.append(v)
             attn_layer += 1
         elif isinstance(value, Sequence) and all(isinstance(v, torch.Tensor) for v in value):
             if spec.mamba is None:
@@ -300,7 +313,9 @@ def regions_from_kv_caches(
                 )
             for v in value:
                 devices.add(_device_of(v))
-            views.append(_mamba_view(value, mamba_layer, what))
+            mv = _mamba_view(value, mamba_layer, what)
+            mv.position = pos
+            views.append(mv)
             mamba_layer += 1
         else:
             raise MemoryLayoutError(f"{what}: expected a torch.Tensor or (conv, ssm) tensors, got {type(value)}")
@@ -346,8 +361,10 @@ def _merge(views: list[_View], spec: EngineSpec, mem_type: str, device_id: int) 
         base = group[0]
         offsets: dict[int, list[Role]] = {}
         mamba: dict[int, None] = {}
+        positions: dict[int, None] = {}
         ebytes: set[int] = set()
         for v in group:
+            positions.setdefault(v.position, None)
             shift = v.ptr - base.ptr
             for off, nbytes, role in v.elements:
                 ebytes.add(nbytes)
@@ -387,6 +404,7 @@ def _merge(views: list[_View], spec: EngineSpec, mem_type: str, device_id: int) 
             element_offsets=offs,
             roles=roles,
             mamba_layers=tuple(mamba),
+            positions=tuple(sorted(positions)),
         ))
         anchors.append(base.anchor)
     # region order: by first role (layer, kind), so both engines agree whatever the addresses

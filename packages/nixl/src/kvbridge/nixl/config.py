@@ -60,8 +60,15 @@ class EngineConfig:
     #: With it, handshakes are signed and checked both ways, and notifications carry a proof
     #: (see docs/handshake.md). 16..4096 bytes; a text key is UTF-8 encoded
     auth_key: str | bytes | None = field(default=None, repr=False)
+    #: the block id that stands for "no block" in SLIDING and MAMBA groups' block lists (vLLM's
+    #: null block is 0), on both engines; None: every id is a real block
+    null_block_id: int | None = None
 
     def __post_init__(self) -> None:
+        if self.null_block_id is not None and (
+                isinstance(self.null_block_id, bool) or not isinstance(self.null_block_id, int)
+                or self.null_block_id < 0):
+            raise ValueError(f"null_block_id must be None or a block id >= 0, got {self.null_block_id!r}")
         if self.mode not in MODES:
             raise ValueError(f"mode must be 'pull' or 'push', got {self.mode!r}")
         if not 0 <= self.complete_in_background_s <= 60:
@@ -101,13 +108,16 @@ class TransferParams:
     ``computed_tokens``, the tokens the decode engine already holds (a prefix hit:
     ``block_ids`` start after them). ``request_id`` is the decode engine's id of the
     request, named in the WRITTEN notifications (empty: the prefill side's id).
+
+    ``block_ids``: a flat tuple of ints for engines with one KV-cache group, or one
+    tuple per group in the order of ``EngineSpec.groups`` (see :mod:`kvbridge.nixl.groups`).
     """
 
     engine_id: str
     host: str
     port: int
     tp_size: int
-    block_ids: tuple[int, ...]
+    block_ids: tuple[int, ...] | tuple[tuple[int, ...], ...]
     token: str
     incarnation: str = ""
     request_id: str = ""

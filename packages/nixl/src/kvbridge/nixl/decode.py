@@ -12,10 +12,11 @@ import logging
 import time
 from collections.abc import Sequence
 
-from kvbridge.memory import block_id_array, kernel_spec, post_process, rank_descriptors
+from kvbridge.memory import kernel_spec, post_process, rank_descriptors
 from kvbridge.topology import EngineSpec, HeadOrder, RankPlan, TransferPlan, plan_transfer
 
 from .config import DecodeEvents, TransferParams
+from .groups import flat_ids
 from .ledger import DecodeTracker, FailureKind, State
 from .modes import DecodeMode, Load
 from .peers import Peer
@@ -56,21 +57,25 @@ class DecodeEngine(RankEngine):
                                 self._remote_geometry(peer, q)), True
 
     # ----- public API -------------------------------------------------------
-    def load(self, request_id: str, params: TransferParams, local_block_ids: Sequence[int],
+    def load(self, request_id: str, params: TransferParams,
+             local_block_ids: Sequence[int] | Sequence[Sequence[int]],
              computed_tokens: int = 0) -> None:
         """Start loading a request's blocks (pull mode). Never blocks on the peer.
 
         ``local_block_ids`` are this engine's blocks for the tokens from
         ``computed_tokens`` on (tokens already present locally: a prefix hit);
-        ``params.block_ids`` are the prefill engine's blocks for all tokens.
+        ``params.block_ids`` are the prefill engine's blocks for all tokens. Both
+        are flat (one KV-cache group) or one list per group of ``EngineSpec.groups``
+        (see :mod:`kvbridge.nixl.groups` for how each group's blocks pair up).
         """
-        lids = block_id_array(local_block_ids, self.geometry.num_blocks, "local")
+        groups = self._group_ids(local_block_ids, self.geometry.num_blocks, "local")
+        lids = flat_ids(groups, self.config.null_block_id)
         if computed_tokens < 0 or computed_tokens % self.spec.block_size:
             raise ValueError(
                 f"computed_tokens must be a non-negative multiple of the decode block size "
                 f"{self.spec.block_size} (whole blocks already present), got {computed_tokens}"
             )
-        self.mode.load(request_id, params, lids, computed_tokens)
+        self.mode.load(request_id, params, lids, computed_tokens, groups)
 
     def prepare(self, params: TransferParams) -> None:
         """Start the handshake with ``params``' prefill engine now, if it is not known yet.
@@ -101,7 +106,7 @@ class DecodeEngine(RankEngine):
         self.mode.release(params)
 
     def expect(self, request_id: str, prefill_engine_id: str, prefill_tp: int, token: str,
-               local_block_ids: Sequence[int], *, prefill_block_size: int | None = None,
+               local_block_ids: Sequence[int] | Sequence[Sequence[int]], *, prefill_block_size: int | None = None,
                prefill_head_order: HeadOrder | str | None = None,
                prefill_kernel_blocks_per_block: int | None = None) -> None:
         """Push mode: wait for the prefill ranks that write this rank's share of a request.
@@ -121,10 +126,12 @@ class DecodeEngine(RankEngine):
         detected (push notifications do not carry the prefill geometry): the
         received blocks would be rearranged wrongly. Raises ``ValueError``
         (:class:`~kvbridge.topology.TopologyError`) when the pair cannot be planned.
+        ``local_block_ids``: flat (one KV-cache group) or one list per group.
         """
-        lids = block_id_array(local_block_ids, self.geometry.num_blocks, "local")
+        groups = self._group_ids(local_block_ids, self.geometry.num_blocks, "local")
+        lids = flat_ids(groups, self.config.null_block_id)
         self.mode.expect(request_id, prefill_engine_id, prefill_tp, token, lids, prefill_block_size,
-                         prefill_head_order, prefill_kernel_blocks_per_block)
+                         prefill_head_order, prefill_kernel_blocks_per_block, groups)
 
     def poll(self) -> DecodeEvents:
         """Advance handshakes, transfers, timeouts and lease renewals; return finished requests.
@@ -196,5 +203,7 @@ class DecodeEngine(RankEngine):
         """Rearrange a completed request's blocks in place when the plan says so
         (HND <-> NHD, several smaller prefill blocks per decode block)."""
         pp = ld.peer.plan.post_process
-        if pp.needed and ld.local_ids.size:
-            post_process(self.regions, ld.local_ids, pp, self.spec)
+        ids = (flat_ids(ld.groups, self.config.null_block_id, self.groups, attention_only=True)
+               if ld.groups else ld.local_ids)
+        if pp.needed and ids.size:
+            post_process(self.regions, ids, pp, self.spec)

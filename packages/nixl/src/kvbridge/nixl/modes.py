@@ -35,6 +35,8 @@ class Load:
     expect_from: tuple[int, ...] = ()
     #: pull: the peer this request's READs were handed to the worker for (None: not yet)
     queued_for: Peer | None = None
+    #: the local block ids of every KV-cache group (``local_ids``: all of them, nulls left out)
+    groups: tuple[np.ndarray, ...] = ()
 
     @property
     def remote_id(self) -> str:
@@ -51,7 +53,7 @@ class DecodeMode:
         self.engine = engine  # a DecodeEngine
 
     def load(self, request_id: str, params: TransferParams, local_ids: np.ndarray,
-             computed_tokens: int) -> None:
+             computed_tokens: int, groups: tuple[np.ndarray, ...] = ()) -> None:
         raise ValueError("load() is the pull-mode entry point; this engine is in push mode (use expect())")
 
     def prepare(self, params: TransferParams) -> None:
@@ -65,7 +67,8 @@ class DecodeMode:
 
     def expect(self, request_id: str, prefill_engine_id: str, prefill_tp: int, token: str,
                local_ids: np.ndarray, prefill_block_size: int | None,
-               prefill_head_order: str | None, prefill_kernel_blocks_per_block: int | None) -> None:
+               prefill_head_order: str | None, prefill_kernel_blocks_per_block: int | None,
+               groups: tuple[np.ndarray, ...] = ()) -> None:
         raise ValueError("expect() is the push-mode entry point; this engine is in pull mode")
 
     def on_handshake(self, peer: Peer, err: str | None) -> None:
@@ -92,10 +95,10 @@ class PrefillMode:
     def hold(self, request_id: str, block_ids: tuple[int, ...], token: str, now: float) -> None:
         """Keep a request's blocks until the decode side has them."""
 
-    def push(self, request_id: str, block_ids: np.ndarray, target: TransferParams) -> None:
+    def push(self, request_id: str, block_ids: tuple[np.ndarray, ...], target: TransferParams) -> None:
         raise ValueError("push() needs an engine configured with mode='push'")
 
-    def start(self, request_id: str, block_ids: np.ndarray, target: TransferParams) -> None:
+    def start(self, request_id: str, block_ids: tuple[np.ndarray, ...], target: TransferParams) -> None:
         raise ValueError("push_start() needs an engine configured with mode='push'")
 
     def write_layers(self, request_id: str, layers: tuple[int, ...]) -> None:

@@ -20,10 +20,9 @@ import time
 
 import numpy as np
 
-from kvbridge.memory import block_id_array
-
 from .agent import NixlError, Transfer
 from .config import TransferParams
+from .groups import pair_indices
 from .ledger import FailureKind, State
 from .messages import Kind, Notification, encode_notification
 from .modes import DecodeMode, Load, PrefillMode
@@ -43,12 +42,13 @@ class PullReads(DecodeMode):
 
     # ----- entry points (caller thread) ---------------------------------------
     def load(self, request_id: str, params: TransferParams, local_ids: np.ndarray,
-             computed_tokens: int) -> None:
+             computed_tokens: int, groups: tuple[np.ndarray, ...] = ()) -> None:
         e = self.engine
         peer = e.peers.for_request(params.engine_id, params.host, params.port, params.tp_size,
                                    params.incarnation)
         now = time.monotonic()
-        ld = Load(request_id, peer, params, local_ids, computed_tokens, params.token, last_renew=now)
+        ld = Load(request_id, peer, params, local_ids, computed_tokens, params.token, last_renew=now,
+                  groups=groups or (local_ids,))
         # from now on the load renews its own lease (_renew_loading); a RENEW still queued
         # could reach the prefill after this load's DONE and be counted there as unknown
         self._renewals.pop((params.engine_id, params.request_id), None)
@@ -105,7 +105,9 @@ class PullReads(DecodeMode):
                 if e.agent.post(x) == "ERR":
                     raise NixlError(f"posting the READ from engine {peer.engine_id!r} rank {q} failed")
             rp = e._rank_plan(peer.plan)
-            for q in (rp.notify_only_ranks if parts else rp.handshake_ranks):
+            # ranks holding nothing this rank needs, and sources with nothing to read for this
+            # request (a full prefix hit, only null blocks): notified instead of read
+            for q in rp.notify_only_ranks + tuple(q for q in rp.source_ranks if q not in parts):
                 self._notify(peer, q, ld.remote_id, ld.token, Kind.DONE)
             err = None
         except NixlError as exc:  # the peer may be dead or restarted
@@ -132,14 +134,15 @@ class PullReads(DecodeMode):
         if not rp.source_ranks:
             return (time.perf_counter() - t0) * 1e6
         remote_blocks = min(peer.infos[q].num_blocks for q in rp.source_ranks)
-        rids = block_id_array(ld.params.block_ids, remote_blocks, "prefill")
+        rids = e._group_ids(ld.params.block_ids, remote_blocks, "prefill")
         skip = ld.computed_tokens // e.spec.block_size
         msg = encode_notification(Notification(Kind.DONE, ld.remote_id, e.spec.tp_size, e.rank, ld.token),
                                   e.notif_key)
         for q in rp.source_ranks:
-            li, ri = peer.descs[q].indices(ld.local_ids, rids, local_skip_blocks=skip)
-            if li.size == 0:  # full prefix hit (or nothing to read): notify every rank instead
-                break
+            li, ri = pair_indices(peer.descs[q], e.groups, ld.groups, rids, skip=skip,
+                                  null=e.config.null_block_id)
+            if li.size == 0:  # nothing to read from q (full prefix hit, null blocks): notified
+                continue
             parts[q] = e.agent.make_transfer("READ", peer.local_lists[q], li, peer.remote_lists[q], ri, msg)
         return (time.perf_counter() - t0) * 1e6
 

@@ -22,6 +22,7 @@ from kvbridge.topology import HeadOrder
 
 from .agent import NixlError, Transfer
 from .config import TransferParams, provisional_spec
+from .groups import flat_ids, pair_indices, split_block_ids
 from .ledger import FailureKind, Released
 from .messages import Kind, Notification, encode_notification, parse_notification
 from .modes import DecodeMode, Load, PrefillMode
@@ -51,7 +52,8 @@ class PushReceiver(DecodeMode):
     def expect(self, request_id: str, prefill_engine_id: str, prefill_tp: int, token: str,
                local_ids: np.ndarray, prefill_block_size: int | None,
                prefill_head_order: HeadOrder | str | None,
-               prefill_kernel_blocks_per_block: int | None) -> None:
+               prefill_kernel_blocks_per_block: int | None,
+               groups: tuple[np.ndarray, ...] = ()) -> None:
         e = self.engine
         pspec = provisional_spec(e.spec, prefill_engine_id, prefill_tp)
         if prefill_block_size is not None or prefill_kernel_blocks_per_block is not None:
@@ -65,7 +67,7 @@ class PushReceiver(DecodeMode):
         plan = e._plan_for(pspec)
         sources = tuple(e._rank_plan(plan).source_ranks) if local_ids.size else ()
         ld = Load(request_id, Peer(prefill_engine_id, "", 0, prefill_tp, plan=plan), None, local_ids, 0,
-                  token, expect_from=sources)
+                  token, expect_from=sources, groups=groups or (local_ids,))
         e._add(ld, time.monotonic(), ready=True)
         e.tracker.posted(request_id, sources)
         if not sources:
@@ -144,13 +146,14 @@ class Push:
     request_id: str
     peer: Peer
     target: TransferParams
-    block_ids: np.ndarray
+    #: this rank's block ids, one array per KV-cache group
+    groups: tuple[np.ndarray, ...]
     layered: bool = False
     transfers: dict[tuple[int, int], Transfer] = field(default_factory=dict)
     deadline: float = 0.0
     waiting: bool = True  # for the handshake with the decode engine
-    #: layer batches named before the handshake was done (posted once it is)
-    asked: list[tuple[int, ...]] = field(default_factory=list)
+    #: (layers, Mamba state) batches named before the handshake was done (posted once it is)
+    asked: list[tuple[tuple[int, ...], bool]] = field(default_factory=list)
     #: layers handed out for writing so far
     sent: set[int] = field(default_factory=set)
     #: no more layers will be named (whole-request pushes start closed)
@@ -175,10 +178,10 @@ class PushWrites(PrefillMode):
         return len(self._pushes)
 
     # ----- entry points (caller thread) -------------------------------------------
-    def push(self, request_id: str, block_ids: np.ndarray, target: TransferParams) -> None:
+    def push(self, request_id: str, block_ids: tuple[np.ndarray, ...], target: TransferParams) -> None:
         self._start(request_id, block_ids, target, layered=False)
 
-    def start(self, request_id: str, block_ids: np.ndarray, target: TransferParams) -> None:
+    def start(self, request_id: str, block_ids: tuple[np.ndarray, ...], target: TransferParams) -> None:
         self._start(request_id, block_ids, target, layered=True)
 
     def write_layers(self, request_id: str, layers: tuple[int, ...]) -> None:
@@ -192,10 +195,13 @@ class PushWrites(PrefillMode):
         if not new:
             return
         p.sent.update(new)
+        self._ask(p, new, False)
+
+    def _ask(self, p: Push, layers: tuple[int, ...], mamba: bool) -> None:
         if p.waiting:
-            p.asked.append(new)
+            p.asked.append((layers, mamba))
         else:
-            self._dispatch(p, new)
+            self._dispatch(p, layers, mamba)
 
     def finish(self, request_id: str) -> None:
         p = self._open(request_id)
@@ -205,10 +211,9 @@ class PushWrites(PrefillMode):
         rest = tuple(x for x in range(self.engine.spec.num_layers) if x not in p.sent)
         p.sent.update(rest)
         if rest:
-            if p.waiting:
-                p.asked.append(rest)
-            else:
-                self._dispatch(p, rest)
+            self._ask(p, rest, False)
+        if any(not g.attention for g in self.engine.groups):  # the Mamba state, once complete
+            self._ask(p, (), True)
 
     def _open(self, request_id: str) -> Push:
         p = self._pushes.get(request_id)
@@ -217,7 +222,7 @@ class PushWrites(PrefillMode):
                              "(start it with push_start(); it may have failed or timed out)")
         return p
 
-    def _start(self, request_id: str, block_ids: np.ndarray, target: TransferParams, *,
+    def _start(self, request_id: str, block_ids: tuple[np.ndarray, ...], target: TransferParams, *,
                layered: bool) -> None:
         e = self.engine
         if request_id in self._pushes:
@@ -240,33 +245,35 @@ class PushWrites(PrefillMode):
         """The decode engine is known: write what was asked for meanwhile."""
         p.waiting = False
         if not p.layered:
-            self._dispatch(p, None)
+            self._dispatch(p, None, True)
             return
         asked, p.asked = p.asked, []
-        for layers in asked:
-            self._dispatch(p, layers)
+        for layers, mamba in asked:
+            self._dispatch(p, layers, mamba)
 
     # ----- posting (worker thread with post_in_background, else here) ----------------
-    def _dispatch(self, p: Push, layers: tuple[int, ...] | None) -> None:
+    def _dispatch(self, p: Push, layers: tuple[int, ...] | None, mamba: bool) -> None:
         e, peer = self.engine, p.peer
         p.in_flight += 1
         if e.config.post_in_background:
-            e._worker.submit(lambda: self._post_and_drive(p, peer, layers))
+            e._worker.submit(lambda: self._post_and_drive(p, peer, layers, mamba))
         else:
-            self.on_event(self._post_job(p, peer, layers))
+            self.on_event(self._post_job(p, peer, layers, mamba))
 
-    def _post_and_drive(self, p: Push, peer: Peer, layers: tuple[int, ...] | None) -> None:
+    def _post_and_drive(self, p: Push, peer: Peer, layers: tuple[int, ...] | None,
+                        mamba: bool) -> None:
         """Worker thread: post, report, then check the WRITEs until they complete (see
         ``RankEngine._drive``), so the prefill side learns of them before its next poll."""
         e = self.engine
-        event = self._post_job(p, peer, layers)
+        event = self._post_job(p, peer, layers, mamba)
         e._events.put(event)
         if event[3] is None and e.config.complete_in_background_s > 0:
             e._drive(event[2].values())
 
-    def _post_job(self, p: Push, peer: Peer, layers: tuple[int, ...] | None) -> tuple:
-        """Build and post the WRITEs of ``layers`` (None: the whole request, with notifications);
-        returns the event that reports them."""
+    def _post_job(self, p: Push, peer: Peer, layers: tuple[int, ...] | None, mamba: bool) -> tuple:
+        """Build and post the WRITEs of the attention ``layers`` (None: the whole request, with
+        notifications; empty: none) and, with ``mamba``, of the Mamba state; returns the event
+        that reports them."""
         e, plan = self.engine, peer.plan
         parts: dict[int, Transfer] = {}
         err = None
@@ -274,11 +281,14 @@ class PushWrites(PrefillMode):
             if not (peer.usable and e.peers.is_current(peer)):
                 raise ValueError(f"engine {peer.engine_id!r} was dropped before the WRITE was posted")
             skip = p.target.computed_tokens // peer.spec.block_size
-            target_ids = np.asarray(p.target.block_ids, dtype=np.int64)
+            read_by = plan.prefill_ranks[e.rank].read_by
+            bound = min((peer.infos[r].num_blocks for r in read_by), default=1)
+            target_ids = split_block_ids(p.target.block_ids, len(e.groups), bound, "decode")
             msg = self._written(p) if layers is None else b""
-            for r in plan.prefill_ranks[e.rank].read_by:
-                ti, mi = peer.descs[r].indices(target_ids, p.block_ids, local_skip_blocks=skip,
-                                               layers=layers)
+            for r in read_by:
+                ti, mi = pair_indices(peer.descs[r], e.groups, target_ids, p.groups, skip=skip,
+                                      null=e.config.null_block_id, layers=layers or None,
+                                      attention=layers is None or bool(layers), mamba=mamba)
                 if mi.size == 0:
                     if layers is None:
                         e.agent.notify(peer.agents[r], msg)
@@ -332,7 +342,8 @@ class PushWrites(PrefillMode):
             e.stats.fail((kind or FailureKind.TRANSFER).value)
             reason = "push-failed"
         e.stats.requests_released += 1
-        self._released.append(Released(p.request_id, tuple(p.block_ids.tolist()), reason))
+        ids = flat_ids(p.groups, None)
+        self._released.append(Released(p.request_id, tuple(ids.tolist()), reason))
 
     def poll(self, now: float) -> list[Released]:
         broken = []

@@ -46,6 +46,7 @@ from .config import (
     engine_compat_hash,
     provisional_spec,
 )
+from .groups import engine_groups, split_block_ids
 from .messages import notification_key
 from .peers import Peer, PeerTable
 from .stats import Stats
@@ -87,8 +88,6 @@ class RankEngine:
         :func:`~kvbridge.memory.regions_from_kv_caches`."""
         if not 0 <= rank < spec.tp_size:
             raise ValueError(f"rank {rank} is outside TP size {spec.tp_size}")
-        if spec.mamba is not None:
-            raise TopologyError("the NIXL engine does not transfer Mamba hybrid caches yet")
         regions = cache if isinstance(cache, CacheRegions) else regions_from_kv_caches(cache, spec)
         if regions.spec != spec:
             raise ValueError(
@@ -97,6 +96,8 @@ class RankEngine:
             )
         self.spec, self.rank, self.regions = spec, rank, regions
         self.geometry = RegionGeometry.from_regions(regions)
+        #: the KV-cache groups with the regions holding their layers (kvbridge.nixl.groups)
+        self.groups = engine_groups(spec, regions)
         self.config = config or EngineConfig()
         self.incarnation = incarnation or new_incarnation()
         self.compat_hash = engine_compat_hash(spec, self.config)
@@ -246,6 +247,15 @@ class RankEngine:
                 f"engine {peer.engine_id!r} is incarnation {first.incarnation}, the request was "
                 f"issued by {peer.incarnation}: it restarted after issuing the request"
             )
+        if any(g.regions is not None for g in self.groups):
+            for q in ranks:
+                if len(infos[q].region_base_addrs) != len(self.regions.regions):
+                    raise HandshakeFailed(
+                        f"engine {peer.engine_id!r} rank {q} registered "
+                        f"{len(infos[q].region_base_addrs)} regions, this rank "
+                        f"{len(self.regions.regions)}: KV-cache groups that do not span every "
+                        "region need the same cache layout on both engines"
+                    )
         peer.incarnation = first.incarnation
         peer.plan, peer.infos, peer.spec = plan, infos, first.spec()
         t1 = time.perf_counter()
@@ -263,6 +273,10 @@ class RankEngine:
                                                       self.config.allow_strided)
             peer.descs[q] = rd
         peer.phases_ms = ((t1 - t0) * 1e3, (t2 - t1) * 1e3, (time.perf_counter() - t2) * 1e3)
+
+    def _group_ids(self, ids, num_blocks: int, what: str) -> tuple:
+        """Block ids (flat, or one list per group) as one checked array per group."""
+        return split_block_ids(ids, len(self.groups), num_blocks, what)
 
     def _remote_geometry(self, peer: Peer, q: int) -> RegionGeometry:
         """Peer rank ``q``'s regions from its handshake numbers (checked against its description)."""

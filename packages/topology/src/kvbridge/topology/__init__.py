@@ -7,6 +7,7 @@ from .blocks import block_size_ratio, blocks_for_tokens, kernel_block_ids
 from .compat import check_compatible
 from .dtypes import DTYPE_ALIASES, DTYPE_SIZES, canonical_dtype, dtype_size
 from .errors import TopologyError
+from .groups import CacheGroup, GroupKind, effective_groups
 from .heads import check_tp_heads, head_range, heads_per_rank, is_replicated, ranks_holding
 from .layout import KIND_K, KIND_KV, KIND_V, ElementLayout, element_kinds, element_layout
 from .mamba import MambaFacts, MambaPiece
@@ -19,11 +20,11 @@ from .transfer import PostProcess, TransferPlan, plan_transfer
 
 __all__ = [
     "DTYPE_ALIASES", "DTYPE_SIZES", "KIND_K", "KIND_KV", "KIND_V",
-    "ConvLayout", "DimRead", "ElementLayout", "EngineSpec", "HeadOrder", "Layout", "MambaFacts",
-    "MambaPiece", "MambaSpec", "PostProcess", "ProducerRankPlan", "RankPlan", "ReadOp",
+    "CacheGroup", "ConvLayout", "DimRead", "ElementLayout", "EngineSpec", "GroupKind", "HeadOrder",
+    "Layout", "MambaFacts", "MambaPiece", "MambaSpec", "PostProcess", "ProducerRankPlan", "RankPlan", "ReadOp",
     "TopologyError", "TransferPlan", "add_shape_arguments", "block_size_ratio",
     "blocks_for_tokens", "canonical_dtype", "check_compatible", "check_tp_heads", "dtype_size",
-    "element_kinds", "element_layout", "engines_from_args", "head_range", "heads_per_rank",
+    "effective_groups", "element_kinds", "element_layout", "engines_from_args", "head_range", "heads_per_rank",
     "is_replicated", "kernel_block_ids", "mamba_state_bytes", "plan_dim", "plan_rank",
     "plan_to_json", "plan_to_svg", "plan_to_text", "plan_transfer", "producer_plans",
     "ranks_holding", "seed_handshake_ranks", "tp_ratio",

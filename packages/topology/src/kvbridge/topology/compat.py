@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from .dtypes import canonical_dtype
 from .errors import TopologyError
+from .groups import check_same_groups
 from .spec import EngineSpec
 
 
@@ -33,6 +34,7 @@ def check_compatible(local: EngineSpec, remote: EngineSpec) -> None:
             "run both engines with the same kv-cache dtype"
         )
     _check_packed(local, remote, where)
+    check_same_groups(local.groups, remote.groups, local.num_layers, where)
     if _mamba_shape(local) != _mamba_shape(remote):
         raise TopologyError(
             f"{where}: Mamba state differs ({local.mamba} vs {remote.mamba}); "

@@ -22,6 +22,7 @@ def add_shape_arguments(parser: argparse.ArgumentParser, *, defaults: dict | Non
     d = {
         "prefill_tp": None, "decode_tp": None, "kv_heads": None, "head_dim": 128, "layers": 80,
         "dtype": "bf16", "prefill_block_size": 16, "decode_block_size": 16,
+        "ssm_heads": 64, "ssm_head_dim": 64, "ssm_state": 128, "ssm_groups": 8, "conv_width": 3,
     }
     d.update(defaults or {})
     req = {k: d[k] is None for k in ("prefill_tp", "decode_tp", "kv_heads")}
@@ -50,6 +51,13 @@ def add_shape_arguments(parser: argparse.ArgumentParser, *, defaults: dict | Non
     parser.add_argument("--mla", action="store_true", help="MLA latent cache (one replicated latent)")
     if mamba:
         parser.add_argument("--mamba", action="store_true", help="hybrid attention + Mamba-2 model")
+        for flag, key, what in (("--ssm-heads", "ssm_heads", "Mamba SSM heads"),
+                                ("--ssm-head-dim", "ssm_head_dim", "Mamba SSM head dimension"),
+                                ("--ssm-state", "ssm_state", "Mamba SSM state size"),
+                                ("--ssm-groups", "ssm_groups", "Mamba B/C groups"),
+                                ("--conv-width", "conv_width", "Mamba conv state columns")):
+            parser.add_argument(flag, type=int, default=d[key], metavar="N",
+                                help=f"{what}, with --mamba (default {d[key]})")
 
 
 def engines_from_args(args: argparse.Namespace) -> tuple[EngineSpec, EngineSpec]:
@@ -59,7 +67,11 @@ def engines_from_args(args: argparse.Namespace) -> tuple[EngineSpec, EngineSpec]
     if getattr(args, "mamba", False):
         if layout is None:
             layout = Layout.BLOCKS_FIRST.value
-        mamba = MambaSpec(ssm_heads=64, ssm_head_dim=64, state_size=128, n_groups=8, conv_width=3,
+        mamba = MambaSpec(ssm_heads=getattr(args, "ssm_heads", 64),
+                          ssm_head_dim=getattr(args, "ssm_head_dim", 64),
+                          state_size=getattr(args, "ssm_state", 128),
+                          n_groups=getattr(args, "ssm_groups", 8),
+                          conv_width=getattr(args, "conv_width", 3),
                           conv_dtype_size=dtype_size(args.dtype), ssm_dtype_size=4)
     if layout is None:
         layout = Layout.KV_FIRST.value

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from .dtypes import dtype_size
 from .errors import TopologyError
+from .groups import CacheGroup, check_groups
 from .heads import check_tp_heads, heads_per_rank, is_replicated
 
 
@@ -100,6 +101,8 @@ class EngineSpec:
     cross_layer: bool = False
     block_bytes: int | None = None
     extra: tuple[tuple[str, str], ...] = field(default=())
+    #: KV-cache groups (vLLM's hybrid allocator); empty: one FULL group of every layer
+    groups: tuple[CacheGroup, ...] = field(default=())
 
     def __post_init__(self) -> None:
         if not isinstance(self.engine_id, str) or not self.engine_id:
@@ -146,6 +149,8 @@ class EngineSpec:
             not isinstance(self.block_bytes, int) or self.block_bytes <= 0
         ):
             raise TopologyError(f"block_bytes must be a positive integer, got {self.block_bytes!r}")
+        object.__setattr__(self, "groups", tuple(self.groups))
+        check_groups(self.groups, has_mamba=self.mamba is not None, what=f"engine {self.engine_id!r}")
         # Head placement must be possible on this side alone.
         check_tp_heads(self.tp_size, self.kv_heads_for_placement, what=f"engine {self.engine_id!r}")
         if self.block_bytes is not None:

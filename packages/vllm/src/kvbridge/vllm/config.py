@@ -337,7 +337,8 @@ def check_engine_support(config: ConnectorConfig, *, kv_role: str | None, kv_cac
     Raises :class:`ConfigError` naming the setting and what to change; returns the
     engine's roles otherwise. Pipeline parallelism and context parallelism (decode
     or prefill) split a request's KV cache between ranks in ways kvbridge's transfer
-    plan does not describe: running with them would load wrong blocks.
+    plan does not describe: running with them would load wrong blocks. Models with
+    several KV-cache groups (hybrid models) are moved in pull mode only.
     """
     if kv_role not in ("kv_producer", "kv_consumer", "kv_both"):
         raise ConfigError(f"kv_role must be kv_producer, kv_consumer or kv_both, got {kv_role!r}")
@@ -351,11 +352,11 @@ def check_engine_support(config: ConnectorConfig, *, kv_role: str | None, kv_cac
                 f"split by tensor parallelism only. Run this engine with {name}=1 ({flag} 1) and "
                 "use tensor_parallel_size to spread it over more devices"
             )
-    if kv_cache_groups > 1:
+    if kv_cache_groups > 1 and config.mode == "push":
         raise ConfigError(
             f"this model has {kv_cache_groups} KV-cache groups (sliding-window, Mamba or mixed "
-            "attention layers); KVBridgeConnector transfers models whose attention layers "
-            "share one group. Use a model with uniform full attention, or vLLM's NixlConnector"
+            "attention layers); KVBridgeConnector moves hybrid models in pull mode only: set "
+            "kv_connector_extra_config['mode'] = 'pull' (the default) on both engines"
         )
     return EngineRoles(producer=kv_role in ("kv_producer", "kv_both"),
                        consumer=kv_role in ("kv_consumer", "kv_both"))

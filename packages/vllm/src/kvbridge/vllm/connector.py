@@ -35,7 +35,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvbridge.vllm import shims
-from kvbridge.vllm.config import ConnectorConfig, check_engine_support, parse_connector_config
+from kvbridge.vllm.cachespec import CacheShapeError
+from kvbridge.vllm.config import (
+    ConfigError,
+    ConnectorConfig,
+    check_engine_support,
+    parse_connector_config,
+)
+from kvbridge.vllm.groups import GroupFacts, attention_block_size, group_facts
 from kvbridge.vllm.metrics import KVBridgePromMetrics, KVBridgeStats
 from kvbridge.vllm.pushing import is_push
 from kvbridge.vllm.registration import register_caches
@@ -119,15 +126,25 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
 
         Refuses, with a :class:`~kvbridge.vllm.config.ConfigError` naming the setting,
         configurations it cannot serve: unknown extra-config keys or bad values, a
-        bad ``kv_role``, pipeline or context parallelism, several KV-cache groups.
+        bad ``kv_role``, pipeline or context parallelism, KV-cache groups of a kind
+        kvbridge does not move, push mode for hybrid models.
         """
         super().__init__(vllm_config, role, kv_cache_config)
         _route_logs()
         ktc = vllm_config.kv_transfer_config
         self.config: ConnectorConfig = parse_connector_config(ktc.kv_connector_extra_config)
+        try:
+            self.groups: tuple[GroupFacts, ...] = (group_facts(kv_cache_config)
+                                                   if kv_cache_config is not None else ())
+            #: tokens per attention block (a hybrid model's may exceed cache_config.block_size)
+            self.block_size = attention_block_size(self.groups, vllm_config.cache_config.block_size)
+        except CacheShapeError as exc:
+            raise ConfigError(str(exc)) from None
         self.roles = check_engine_support(
             self.config, kv_role=ktc.kv_role, kv_cache_groups=shims.transfer_groups(kv_cache_config),
             **shims.parallel_sizes(vllm_config))
+        hybrid = len(self.groups) > 1
+        self.has_mamba = any(g.kind.value == "mamba" for g in self.groups)
         self.engine_id: str = ktc.engine_id
         self.incarnation = _incarnation(vllm_config, self.engine_id)
         self.port = self.config.port_for(shims.dp_index(vllm_config))
@@ -135,12 +152,25 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             self._sched = SchedulerSide(
-                engine_id=self.engine_id, block_size=vllm_config.cache_config.block_size,
+                engine_id=self.engine_id, block_size=self.block_size,
                 tp_size=vllm_config.parallel_config.tensor_parallel_size, config=self.config,
-                port=self.port, roles=self.roles)
+                port=self.port, roles=self.roles,
+                group_kinds=tuple(g.kind.value for g in self.groups) if hybrid else (),
+                equal_tp_only=self._equal_tp_only())
         else:
             self._worker = WorkerSide(shims.tp_rank(), self.roles,
                                       single_group=shims.transfer_groups(kv_cache_config) <= 1)
+
+    def _equal_tp_only(self) -> str | None:
+        """Why this engine's Mamba state can only be read between equal TP sizes, or None."""
+        types = {g.mamba_type for g in self.groups if g.kind.value == "mamba"}
+        if "GDN_ATTN" in types:
+            return ("gated delta-net state is moved whole, which needs equal TP sizes on both "
+                    "engines; run both with the same tensor_parallel_size")
+        if types and not shims.conv_state_dim_first():
+            return ("the Mamba conv state is stored token-first (SD); splitting it between TP "
+                    "sizes needs VLLM_SSM_CONV_STATE_LAYOUT=DS in both engines' environment")
+        return None
 
     # ----- class-level hooks ---------------------------------------------
     @classmethod
@@ -191,9 +221,14 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
 
     def on_new_request(self, request: Request) -> None:
         """Scheduler, when a request is added. A decode request with kvbridge parameters
-        is parsed now, and its handshake and lease renewals start with the next step."""
+        is parsed now, and its handshake and lease renewals start with the next step. On
+        a Mamba hybrid a prefill request drops its last prompt token: the state moved is
+        the one before it, and the decode engine computes that token itself (a recurrent
+        state cannot take the same token twice)."""
         if self._push_params(request):
             return
+        if self.has_mamba:
+            shims.drop_last_prompt_token(request)
         self._s().state.on_new_request(request.request_id, request.kv_transfer_params,
                                        request.num_prompt_tokens)
 
@@ -238,7 +273,7 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
             return
         if num_external_tokens > 0:
             unhashed = shims.select_groups(self._kv_cache_config, shims.unhashed_block_ids(blocks))
-            computed = shims.computed_block_count(blocks)
+            computed = shims.computed_block_count(blocks, self._kv_cache_config)
         else:
             unhashed, computed = (), 0
         self._s().state.after_alloc(request.request_id, params, request.num_prompt_tokens,
@@ -321,9 +356,18 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Worker, once after the KV cache is allocated (one tensor per attention
         layer): describes it and registers it with this rank's NIXL engines."""
-        reg = register_caches(self._vllm_config, self._kv_cache_config, kv_caches, self.config,
-                              engine_id=self.engine_id,
-                              attention_backend=shims.attention_backend_name(self._vllm_config))
+        try:
+            reg = register_caches(self._vllm_config, self._kv_cache_config, kv_caches, self.config,
+                                  engine_id=self.engine_id,
+                                  attention_backend=shims.attention_backend_name(self._vllm_config),
+                                  conv_dim_first=self.has_mamba and shims.conv_state_dim_first())
+        except CacheShapeError as exc:
+            raise ConfigError(f"KVBridgeConnector cannot register this KV cache: {exc}") from None
+        if self.has_mamba and reg.spec.mamba is not None:
+            log.info("kvbridge: Mamba hybrid, conv state %s%s", reg.spec.mamba.conv_layout.value,
+                     "" if shims.conv_state_dim_first() else
+                     " (SD): transfers between equal TP sizes only; set "
+                     "VLLM_SSM_CONV_STATE_LAYOUT=DS on both engines for heterogeneous TP")
         self._w().register(reg.spec, reg.regions, reg.engine_config, incarnation=self.incarnation,
                            address=(self.config.side_channel_host, self.port),
                            layer_names=reg.layer_names)

@@ -28,6 +28,7 @@ __all__ = [
     "is_prefill_request",
     "is_remote_prefill",
     "prefill_request_params",
+    "transfer_block_ids",
 ]
 
 #: Version of kvbridge's additions; a decode side refuses a newer major version.
@@ -46,8 +47,9 @@ class RemotePrefill:
     """One decode request's source, parsed once from its ``kv_transfer_params``.
 
     ``transfer`` is the transfer engine's record (:class:`kvbridge.nixl.TransferParams`:
-    prefill engine id, side-channel address, TP size, the first group's block ids,
-    token, incarnation, prefill request id), built once here and handed to
+    prefill engine id, side-channel address, TP size, the block ids (flat for one
+    KV-cache group, per group for hybrid models), token, incarnation, prefill
+    request id), built once here and handed to
     :meth:`kvbridge.nixl.DecodeEngine.load` as is. The other fields are what
     vLLM's wire format adds: ``block_ids`` per KV-cache group, the prompt tokens
     the prefill engine computed, its mode, pipeline/context-parallel sizes, block
@@ -82,11 +84,10 @@ class RemotePrefill:
         # imported when the first request is parsed, not when this module is
         from kvbridge.nixl import TransferParams
 
-        first = block_ids[0] if block_ids else ()
         transfer = TransferParams(engine_id=engine_id, host=host, port=port, tp_size=tp_size,
-                                  block_ids=tuple(first), token=token, incarnation=incarnation,
-                                  request_id=request_id)
-        return cls(transfer, tuple(block_ids), **wire)
+                                  block_ids=transfer_block_ids(block_ids), token=token,
+                                  incarnation=incarnation, request_id=request_id)
+        return cls(transfer, tuple(tuple(g) for g in block_ids), **wire)
 
     def __post_init__(self) -> None:
         _check_int("dcp_size", self.dcp_size, lo=1)
@@ -97,15 +98,23 @@ class RemotePrefill:
             _check_int("remote_block_size", self.block_size, lo=1)
         if self.mode not in ("pull", "push"):
             raise ParamsError(f"transfer_mode must be 'pull' or 'push', got {self.mode!r}")
-        first = self.block_ids[0] if self.block_ids else ()
-        if tuple(self.transfer.block_ids) != first:
-            raise ParamsError("RemotePrefill.transfer.block_ids must be the first group of "
-                              "block_ids; build the record with RemotePrefill.of")
+        if tuple(self.transfer.block_ids) != transfer_block_ids(self.block_ids):
+            raise ParamsError("RemotePrefill.transfer.block_ids must be block_ids as the engine "
+                              "takes them; build the record with RemotePrefill.of")
 
     @property
     def from_kvbridge(self) -> bool:
         """True when a kvbridge prefill engine issued these parameters (they carry its token)."""
         return bool(self.transfer.token)
+
+
+def transfer_block_ids(groups: Sequence[Sequence[int]]
+                       ) -> tuple[int, ...] | tuple[tuple[int, ...], ...]:
+    """Per-group block ids as the transfer engine takes them: the flat list of a
+    single-group engine (as before hybrid models), one tuple per group otherwise."""
+    if len(groups) <= 1:
+        return tuple(groups[0]) if groups else ()
+    return tuple(tuple(g) for g in groups)
 
 
 def _check_str(name: str, v: Any) -> None:

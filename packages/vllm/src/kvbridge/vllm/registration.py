@@ -14,13 +14,14 @@ in :mod:`kvbridge.vllm.cachespec`, and its configuration facts here.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from kvbridge.memory import CacheRegions, regions_from_kv_caches
 from kvbridge.nixl import AgentConfig, EngineConfig, all_cpus
-from kvbridge.topology import EngineSpec
+from kvbridge.topology import EngineSpec, GroupKind, MambaSpec, TopologyError
 from kvbridge.vllm.cachespec import (
+    CacheShapeError,
     LayerTensor,
     ModelFacts,
     dtype_name,
@@ -29,6 +30,14 @@ from kvbridge.vllm.cachespec import (
     model_identity,
 )
 from kvbridge.vllm.config import ConnectorConfig
+from kvbridge.vllm.groups import (
+    GroupFacts,
+    attention_block_size,
+    cache_groups,
+    group_facts,
+    mamba_spec_for,
+    split_mamba_state,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -45,24 +54,28 @@ class Registration:
     engine_config: EngineConfig
     #: vLLM's layer names in model order (the order of the cache's layers)
     layer_names: tuple[str, ...] = ()
+    #: vLLM's transfer groups (empty: one full-attention group)
+    groups: tuple[GroupFacts, ...] = ()
 
 
 def model_facts(vllm_config: Any, kv_cache_config: Any, engine_id: str,
-                kv_caches: Mapping[str, torch.Tensor]) -> ModelFacts:
-    """The model and cache facts of vLLM's configuration (``VllmConfig``, ``KVCacheConfig``)."""
+                kv_caches: Mapping[str, torch.Tensor], block_size: int | None = None) -> ModelFacts:
+    """The model and cache facts of vLLM's configuration (``VllmConfig``, ``KVCacheConfig``);
+    ``block_size``: the attention groups' (default ``cache_config.block_size``)."""
     mc, pc = vllm_config.model_config, vllm_config.parallel_config
     num_blocks = (int(kv_cache_config.num_blocks) if kv_cache_config is not None
                   else int(next(iter(kv_caches.values())).shape[0]))
     return ModelFacts(
         engine_id=engine_id, tp_size=pc.tensor_parallel_size,
         num_kv_heads=1 if mc.use_mla else mc.get_total_num_kv_heads(),
-        head_dim=mc.get_head_size(), block_size=vllm_config.cache_config.block_size,
+        head_dim=mc.get_head_size(),
+        block_size=block_size or vllm_config.cache_config.block_size,
         num_blocks=num_blocks, use_mla=bool(mc.use_mla),
     )
 
 
 def engine_config(cfg: ConnectorConfig, *, mem_type: str, model: str,
-                  attention_backend: str) -> EngineConfig:
+                  attention_backend: str, null_block_id: int | None = 0) -> EngineConfig:
     """The transfer engines' settings from the connector's."""
     return EngineConfig(
         agent=AgentConfig(backends=cfg.backends, num_threads=cfg.ucx_threads,
@@ -75,26 +88,67 @@ def engine_config(cfg: ConnectorConfig, *, mem_type: str, model: str,
         worker_cpus=(all_cpus() if cfg.transfer_cpus == "all" else
                      None if cfg.transfer_cpus == "inherit" else tuple(cfg.transfer_cpus)),
         complete_in_background_s=0.5 if cfg.complete_in_background else 0.0,
+        null_block_id=null_block_id,  # vLLM's null block: ids outside a sliding window
     )
 
 
-def register_caches(vllm_config: Any, kv_cache_config: Any, kv_caches: Mapping[str, torch.Tensor],
-                    cfg: ConnectorConfig, *, engine_id: str, attention_backend: str) -> Registration:
-    """Describe one rank's KV-cache tensors (one per attention layer, any order)."""
-    facts = model_facts(vllm_config, kv_cache_config, engine_id, kv_caches)
+def _mamba_spec(groups: tuple[GroupFacts, ...], vllm_config: Any, tp_size: int,
+                conv_dim_first: bool) -> MambaSpec | None:
+    """One MambaSpec for every Mamba group (they must agree), or None without any."""
+    mamba = [g for g in groups if g.kind is GroupKind.MAMBA]
+    if not mamba:
+        return None
+    kinds = {(g.state_shapes, g.state_dtypes, g.mamba_type) for g in mamba}
+    if len(kinds) > 1:
+        raise CacheShapeError(
+            f"the model's Mamba groups hold states of different shapes {sorted(kinds)}; "
+            "KVBridgeConnector moves one Mamba state shape per engine"
+        )
+    hf = vllm_config.model_config.hf_config
+    n_groups = None
+    if mamba[0].mamba_type == "MAMBA2":
+        n_groups = next((int(v) for a in ("mamba_n_groups", "n_groups", "ssm_n_groups")
+                         if isinstance(v := getattr(hf, a, None), int)), None)
+    return mamba_spec_for(mamba[0], tp_size=tp_size, dim_first=conv_dim_first, n_groups=n_groups)
+
+
+def register_caches(vllm_config: Any, kv_cache_config: Any, kv_caches: Mapping[str, Any],
+                    cfg: ConnectorConfig, *, engine_id: str, attention_backend: str,
+                    conv_dim_first: bool = False) -> Registration:
+    """Describe one rank's KV-cache tensors (one per attention layer, one byte view of the
+    pages per Mamba layer, any order) and every KV-cache group of a hybrid model.
+
+    ``conv_dim_first``: vLLM stores Mamba conv states dimension-first (DS layout).
+    """
+    groups = group_facts(kv_cache_config) if kv_cache_config is not None else ()
+    facts = model_facts(vllm_config, kv_cache_config, engine_id, kv_caches,
+                        attention_block_size(groups, vllm_config.cache_config.block_size))
     names = sorted(kv_caches, key=layer_sort_key)
-    layers = [LayerTensor(n, tuple(kv_caches[n].shape), tuple(kv_caches[n].stride()),
-                          dtype_name(kv_caches[n].dtype)) for n in names]
+    mamba_of = {n: g for g in groups if g.kind is GroupKind.MAMBA for n in g.layer_names}
+    caches: dict[str, Any] = {n: (split_mamba_state(kv_caches[n], mamba_of[n], n)
+                                  if n in mamba_of else kv_caches[n]) for n in names}
+    attention = [n for n in names if n not in mamba_of]
+    if not attention:
+        raise CacheShapeError("the model has no attention layer (a pure Mamba model); "
+                              "KVBridgeConnector moves attention caches with their Mamba state")
+    layers = [LayerTensor(n, tuple(caches[n].shape), tuple(caches[n].stride()),
+                          dtype_name(caches[n].dtype)) for n in attention]
     spec = engine_spec_for(facts, layers)
-    regions = regions_from_kv_caches({n: kv_caches[n] for n in names}, spec)
+    if len(groups) > 1 or any(g.kind is not GroupKind.FULL for g in groups):
+        try:
+            spec = replace(spec, groups=cache_groups(groups, names),
+                           mamba=_mamba_spec(groups, vllm_config, facts.tp_size, conv_dim_first))
+        except TopologyError as exc:
+            raise CacheShapeError(f"the hybrid KV cache cannot be described: {exc}") from exc
+    regions = regions_from_kv_caches({n: caches[n] for n in names}, spec)
     mc = vllm_config.model_config
     hf = mc.hf_config
     identity = model_identity(
         getattr(hf, "architectures", None), hidden_size=getattr(hf, "hidden_size", 0),
-        num_layers=spec.num_layers, num_heads=getattr(hf, "num_attention_heads", 0),
+        num_layers=len(names), num_heads=getattr(hf, "num_attention_heads", 0),
         num_kv_heads=facts.num_kv_heads, head_dim=facts.head_dim,
         vocab_size=mc.get_vocab_size())
     return Registration(spec, regions, engine_config(cfg, mem_type=regions.mem_type,
                                                      model=identity,
                                                      attention_backend=attention_backend),
-                        tuple(names))
+                        tuple(names), groups)

@@ -13,7 +13,7 @@ Plain values in and out: this module imports nothing from vLLM (the facade,
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from kvbridge.handshake import MetadataServer, decode_metadata, send_push_offer
 from kvbridge.vllm.config import ConnectorConfig, EngineRoles
@@ -29,11 +29,13 @@ class SchedulerSide:
     """The engine core's half of the connector (see the module docstring).
 
     ``port`` is this engine's side-channel port (``config.port_for`` its
-    data-parallel index).
+    data-parallel index); ``group_kinds`` and ``equal_tp_only`` describe a hybrid
+    model (see :class:`~kvbridge.vllm.steps.SchedulerState`).
     """
 
     def __init__(self, *, engine_id: str, block_size: int, tp_size: int, config: ConnectorConfig,
-                 port: int, roles: EngineRoles) -> None:
+                 port: int, roles: EngineRoles, group_kinds: Sequence[str] = (),
+                 equal_tp_only: str | None = None) -> None:
         self.engine_id = engine_id
         self.host = config.side_channel_host
         self.port = port
@@ -42,7 +44,8 @@ class SchedulerSide:
         self.state = SchedulerState(
             engine_id=engine_id, block_size=block_size, tp_size=tp_size,
             address=(self.host, port), producer=roles.producer, consumer=roles.consumer,
-            heartbeat_s=config.heartbeat_seconds, mode=config.mode,
+            heartbeat_s=config.heartbeat_seconds, mode=config.mode, group_kinds=group_kinds,
+            equal_tp_only=equal_tp_only,
         )
         #: push mode (kvbridge.vllm.pushing); None in pull mode
         self.push: PushState | None = None

@@ -11,10 +11,12 @@ says so in ``remote_num_tokens``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from kvbridge.topology import blocks_for_tokens
 from kvbridge.vllm.params import ParamsError, RemotePrefill
 
-__all__ = ["check_remote_blocks", "check_remote_parallelism", "tokens_to_load"]
+__all__ = ["check_remote_blocks", "check_remote_groups", "check_remote_parallelism", "tokens_to_load"]
 
 
 def tokens_to_load(rp: RemotePrefill, num_prompt_tokens: int, num_computed_tokens: int) -> int:
@@ -27,26 +29,47 @@ def tokens_to_load(rp: RemotePrefill, num_prompt_tokens: int, num_computed_token
     return max(target - num_computed_tokens, 0)
 
 
-def check_remote_blocks(rp: RemotePrefill, num_prompt_tokens: int, remote_block_size: int) -> None:
+def check_remote_blocks(rp: RemotePrefill, num_prompt_tokens: int, remote_block_size: int,
+                        group_kinds: Sequence[str] = ()) -> None:
     """Refuse parameters whose block lists cannot hold the prompt.
 
-    Every KV-cache group of the prefill engine must list enough blocks of
-    ``remote_block_size`` tokens for ``num_prompt_tokens`` (the prompt decode
-    received); fewer means the parameters belong to another prompt or were
+    Every attention group of the prefill engine must list enough blocks of
+    ``remote_block_size`` tokens for the tokens it computed (``remote_num_tokens``,
+    else ``num_prompt_tokens``: the prompt decode received); a Mamba group (kind
+    ``"mamba"`` in ``group_kinds``) must list at least one block (the state after
+    those tokens). Fewer means the parameters belong to another prompt or were
     truncated, and pulling them would decode from garbage.
     """
-    need = blocks_for_tokens(num_prompt_tokens, remote_block_size)
     if rp.num_tokens is not None and rp.num_tokens < num_prompt_tokens - 1:
         raise ParamsError(
             f"prefill computed {rp.num_tokens} tokens but the decode prompt has "
             f"{num_prompt_tokens}: the kv_transfer_params belong to another prompt"
         )
+    tokens = num_prompt_tokens if rp.num_tokens is None else min(rp.num_tokens, num_prompt_tokens)
+    need = blocks_for_tokens(tokens, remote_block_size)
     for g, blocks in enumerate(rp.block_ids):
-        if len(blocks) < need:
+        mamba = g < len(group_kinds) and group_kinds[g] == "mamba"
+        want, unit = (1, "block (the Mamba state)") if mamba else (
+            need, f"blocks of {remote_block_size} tokens")
+        if len(blocks) < want:
             raise ParamsError(
                 f"remote_block_ids group {g} lists {len(blocks)} blocks, the prompt of "
-                f"{num_prompt_tokens} tokens needs {need} blocks of {remote_block_size} tokens"
+                f"{tokens} tokens needs {want} {unit}"
             )
+
+
+def check_remote_groups(rp: RemotePrefill, group_kinds: Sequence[str]) -> None:
+    """Refuse parameters whose number of KV-cache groups differs from this engine's
+    (``group_kinds``; empty: one group): the prefill engine serves another model or
+    another KV-cache grouping."""
+    want = max(len(group_kinds), 1)
+    if len(rp.block_ids) != want:
+        what = ", ".join(group_kinds) if group_kinds else "full"
+        raise ParamsError(
+            f"remote_block_ids holds {len(rp.block_ids)} KV-cache group(s) but this engine has "
+            f"{want} ({what}); both engines must serve the same model with the same KV-cache "
+            "grouping (for hybrid models: a vLLM with the hybrid KV-cache manager on both sides)"
+        )
 
 
 def check_remote_parallelism(rp: RemotePrefill) -> None:

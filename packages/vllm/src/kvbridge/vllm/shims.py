@@ -31,7 +31,9 @@ __all__ = [
     "KVConnectorTransferResults",
     "attention_backend_name",
     "computed_block_count",
+    "conv_state_dim_first",
     "dp_index",
+    "drop_last_prompt_token",
     "parallel_sizes",
     "request_completed",
     "required_kvcache_layout",
@@ -75,10 +77,52 @@ def unhashed_block_ids(blocks: KVCacheBlocks) -> list:
     return [blocks.get_unhashed_block_ids()]  # pragma: no cover - older vLLM
 
 
-def computed_block_count(blocks: KVCacheBlocks) -> int:
-    """Leading blocks of the first group already present locally (prefix-cache hits)."""
-    first = blocks.blocks[0] if getattr(blocks, "blocks", None) else ()
-    return sum(1 for b in first if b.block_hash is not None and not b.is_null)
+def computed_block_count(blocks: KVCacheBlocks, kv_cache_config: KVCacheConfig | None = None) -> int:
+    """Leading blocks already present locally (prefix-cache hits), in blocks of the
+    scheduler's block size: the most any full-attention group has (a sliding-window
+    group's hits include null blocks; Mamba groups count in blocks of their own size)."""
+    groups = getattr(blocks, "blocks", None) or ()
+    specs = [g.kv_cache_spec for g in getattr(kv_cache_config, "kv_cache_groups", ())]
+    if len(specs) != len(groups):
+        specs = [None] * len(groups)
+    counts = [sum(1 for b in g if b.block_hash is not None and not b.is_null)
+              for g, spec in zip(groups, specs, strict=True)
+              if spec is None or type(spec).__name__ == "FullAttentionSpec"]
+    return max(counts, default=0) if len(groups) > 1 else (counts[0] if counts else 0)
+
+
+def drop_last_prompt_token(request: Request) -> bool:
+    """A prefill request for a remote decode on a Mamba hybrid: drop its last prompt
+    token (once), so the state it leaves is the one before that token, which the
+    decode engine then computes itself (as vLLM's NixlConnector does). True if dropped."""
+    params = request.kv_transfer_params
+    if (not params or not params.get("do_remote_decode") or params.get("do_remote_prefill")
+            or params.get("_kvbridge_truncated") or request.num_prompt_tokens <= 1):
+        return False
+    skip = getattr(request, "get_skip_reading_prefix_cache", None)
+    if skip is not None and skip():
+        return False  # prompt logprobs: decode recomputes the whole prompt anyway
+    if request.prompt_token_ids is not None:
+        del request.prompt_token_ids[-1:]
+    elif getattr(request, "prompt_embeds", None) is not None:
+        request.prompt_embeds = request.prompt_embeds[:-1]
+    else:  # pragma: no cover - nothing to drop
+        return False
+    del request._all_token_ids[-1:]
+    request.num_prompt_tokens -= 1
+    request.max_tokens = 1
+    params["_kvbridge_truncated"] = True
+    return True
+
+
+def conv_state_dim_first() -> bool:
+    """True when vLLM stores Mamba conv states dimension-first (``VLLM_SSM_CONV_STATE_LAYOUT=DS``),
+    so a TP shard's channels are contiguous."""
+    try:
+        from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+    except ImportError:  # pragma: no cover - older vLLM: token-first only
+        return False
+    return bool(is_conv_state_dim_first())
 
 
 def request_completed(request: Request) -> bool:

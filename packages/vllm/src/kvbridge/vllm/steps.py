@@ -35,9 +35,15 @@ from kvbridge.vllm.params import (
     encode_remote_prefill,
     is_prefill_request,
     is_remote_prefill,
+    transfer_block_ids,
 )
 from kvbridge.vllm.pushing import PushOrders
-from kvbridge.vllm.scheduling import check_remote_blocks, check_remote_parallelism, tokens_to_load
+from kvbridge.vllm.scheduling import (
+    check_remote_blocks,
+    check_remote_groups,
+    check_remote_parallelism,
+    tokens_to_load,
+)
 
 __all__ = ["HoldOrder", "LoadOrder", "SchedulerState", "StepOrders"]
 
@@ -53,7 +59,8 @@ class LoadOrder:
 
     request_id: str  # the decode engine's id of the request
     source: RemotePrefill  # parsed once by the scheduler; source.transfer goes to the engine
-    local_block_ids: tuple[int, ...]  # for the tokens from computed_tokens on
+    #: for the tokens from computed_tokens on: flat for one KV-cache group, else per group
+    local_block_ids: tuple[int, ...] | tuple[tuple[int, ...], ...]
     computed_tokens: int  # leading tokens already present locally (whole blocks), in the
     # unit DecodeEngine.load takes
 
@@ -63,7 +70,7 @@ class HoldOrder:
     """Prefill: keep one finished request's blocks until the decode side has them."""
 
     request_id: str
-    block_ids: tuple[int, ...]
+    block_ids: tuple[int, ...] | tuple[tuple[int, ...], ...]  # flat, or per KV-cache group
     token: str
 
 
@@ -91,12 +98,16 @@ class SchedulerState:
     ``producer``/``consumer`` follow vLLM's ``kv_role``. ``address`` is the
     side channel the prefill workers are served on; ``incarnation`` (set with
     :meth:`set_incarnation` once the workers registered) identifies this start
-    of the engine.
+    of the engine. ``group_kinds`` names the kind of each KV-cache group of a
+    hybrid model in vLLM's order (``"full"``, ``"sliding"``, ``"mamba"``; empty:
+    one full-attention group). ``equal_tp_only``, when set, says why this engine
+    loads only from prefill engines of its own TP size (others are computed locally).
     """
 
     def __init__(self, *, engine_id: str, block_size: int, tp_size: int, address: tuple[str, int],
                  producer: bool, consumer: bool, heartbeat_s: float, mode: str = "pull",
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, group_kinds: Sequence[str] = (),
+                 equal_tp_only: str | None = None) -> None:
         if block_size < 1 or tp_size < 1:
             raise ValueError(f"block_size and tp_size must be >= 1, got {block_size}, {tp_size}")
         self.engine_id = engine_id
@@ -108,6 +119,8 @@ class SchedulerState:
         self.heartbeat_s = heartbeat_s
         self.mode = mode
         self.incarnation = ""
+        self.group_kinds = tuple(group_kinds)
+        self.equal_tp_only = equal_tp_only
         self._clock = clock
         self._queued: dict[str, RemotePrefill] = {}  # decode requests not loading yet
         self._loads: list[LoadOrder] = []
@@ -152,7 +165,12 @@ class SchedulerState:
                 raise ParamsError(f"the prefill engine uses {rp.mode} mode, this engine {self.mode}; "
                                   "configure both engines with the same mode")
             check_remote_parallelism(rp)
-            check_remote_blocks(rp, num_prompt_tokens, rp.block_size or self.block_size)
+            check_remote_groups(rp, self.group_kinds)
+            if self.equal_tp_only and rp.transfer.tp_size != self.tp_size:
+                raise ParamsError(f"the prefill engine runs TP {rp.transfer.tp_size} and this "
+                                  f"engine TP {self.tp_size}: {self.equal_tp_only}")
+            check_remote_blocks(rp, num_prompt_tokens, rp.block_size or self.block_size,
+                                self.group_kinds)
         except ParamsError as exc:
             log.warning("request %s: ignoring its kv_transfer_params (%s); its prompt is "
                         "computed locally", request_id, exc)
@@ -196,7 +214,7 @@ class SchedulerState:
         if num_external_tokens <= 0:
             self._releases.append(rp)  # everything is local already: just free the prefill blocks
             return
-        ids = tuple(int(b) for b in (unhashed_block_ids[0] if unhashed_block_ids else ()))
+        ids = transfer_block_ids([[int(b) for b in g] for g in unhashed_block_ids])
         self._loads.append(LoadOrder(request_id, rp, ids, computed_blocks * self.block_size))
 
     # ----- both sides -----------------------------------------------------
@@ -235,7 +253,7 @@ class SchedulerState:
         if not groups or not groups[0]:
             return False, None
         token = secrets.token_hex(16)
-        self._holds.append(HoldOrder(request_id, groups[0], token))
+        self._holds.append(HoldOrder(request_id, transfer_block_ids(groups), token))
         host, port = self.address
         out = encode_remote_prefill(RemotePrefill.of(
             engine_id=self.engine_id, host=host, port=port, request_id=request_id,

@@ -28,7 +28,18 @@ from kvbridge.vllm.pushing import PushOrder, PushOrders
 from kvbridge.vllm.stats import empty_stats, is_empty, stats_delta
 from kvbridge.vllm.steps import StepOrders
 
-__all__ = ["TransferResults", "WorkerSide"]
+__all__ = ["TransferResults", "WorkerSide", "per_group"]
+
+#: block ids as the engine takes them: flat (one KV-cache group) or one tuple per group
+BlockIds = tuple[int, ...] | tuple[tuple[int, ...], ...]
+
+
+def per_group(blocks: BlockIds | list) -> tuple[tuple[int, ...], ...]:
+    """Block ids as one tuple per KV-cache group (a flat list is one group)."""
+    blocks = tuple(blocks)
+    if blocks and all(isinstance(b, (tuple, list)) for b in blocks):
+        return tuple(tuple(int(x) for x in g) for g in blocks)
+    return (tuple(int(x) for x in blocks),)
 
 log = logging.getLogger("kvbridge.vllm")
 
@@ -49,8 +60,11 @@ class WorkerSide:
     """One TP rank's half of the connector (see the module docstring).
 
     ``single_group``: vLLM maps failed block ids back to requests only for models
-    with one KV-cache group; for others the failure travels in ``failed_recving``
-    alone.
+    with one KV-cache group (vLLM 0.32 raises for a flat set of invalid block ids on
+    a hybrid model, as block ids are unique per group only); for others the failure
+    travels in ``failed_recving``, which makes vLLM recompute (or fail) the whole
+    request in every group, and the failed loads' local block ids per group are
+    kept for :meth:`take_invalid_groups`.
     """
 
     def __init__(self, rank: int, roles: EngineRoles, *, single_group: bool = True) -> None:
@@ -61,8 +75,10 @@ class WorkerSide:
         self._single_group = single_group
         self._held: set[str] = set()
         self._free_now: set[str] = set()  # holds that failed: report them sent so vLLM frees them
-        self._failed_now: dict[str, tuple[int, ...]] = {}  # loads refused before starting
+        self._failed_now: dict[str, BlockIds] = {}  # loads refused before starting
         self._invalid: set[int] = set()
+        self._loading: dict[str, BlockIds] = {}  # started loads: local block ids (per group)
+        self._invalid_groups: dict[str, tuple[tuple[int, ...], ...]] = {}
         self._stats_base: dict[str, Stats] = {}
         # push mode
         self._layer_index: dict[str, int] = {}
@@ -122,6 +138,7 @@ class WorkerSide:
                 continue
             try:
                 dec.load(ld.request_id, ld.source.transfer, ld.local_block_ids, ld.computed_tokens)
+                self._loading[ld.request_id] = ld.local_block_ids
             except ValueError as exc:
                 log.error("kvbridge: cannot load request %s: %s", ld.request_id, exc)
                 self._failed_now[ld.request_id] = ld.local_block_ids
@@ -175,6 +192,7 @@ class WorkerSide:
                            prefill_block_size=e.prefill_block_size,
                            prefill_head_order=e.prefill_head_order,
                            prefill_kernel_blocks_per_block=e.prefill_kernel_blocks_per_block)
+                self._loading[e.request_id] = e.local_block_ids
             except ValueError as exc:
                 log.error("kvbridge: cannot expect request %s: %s", e.request_id, exc)
                 self._failed_now[e.request_id] = e.local_block_ids
@@ -224,8 +242,8 @@ class WorkerSide:
         receive is also a finished one, and its local blocks go to
         :meth:`take_invalid_blocks`."""
         sending, recving, failed = set(self._free_now), set(self._failed_now), set(self._failed_now)
-        for blocks in self._failed_now.values():
-            self._invalid.update(blocks)
+        for rid, blocks in self._failed_now.items():
+            self._mark_invalid(rid, blocks)
         self._free_now.clear()
         self._failed_now.clear()
         if self.prefill is not None:
@@ -241,19 +259,40 @@ class WorkerSide:
         if self.decode is not None:
             ev = self.decode.poll()
             recving.update(ev.done)
+            for rid in ev.done:
+                self._loading.pop(rid, None)
             for f in ev.failed:
+                local = self._loading.pop(f.request_id, None)
                 log.warning("kvbridge: request %s failed (%s): %s; its %d local blocks must be "
                             "recomputed", f.request_id, f.kind.value, f.message, len(f.invalid_block_ids))
                 recving.add(f.request_id)
                 failed.add(f.request_id)
-                self._invalid.update(f.invalid_block_ids)
+                self._mark_invalid(f.request_id, local if local is not None else f.invalid_block_ids)
         return TransferResults(frozenset(sending), frozenset(recving), frozenset(failed))
+
+    def _mark_invalid(self, request_id: str, blocks: BlockIds) -> None:
+        """Record a failed load's local blocks (flat, or per KV-cache group)."""
+        groups = per_group(blocks)
+        if self._single_group:
+            for g in groups:
+                self._invalid.update(g)
+        else:
+            self._invalid_groups[request_id] = groups
+            log.warning("kvbridge: request %s: invalid local blocks per KV-cache group %s; vLLM "
+                        "recomputes (or fails) the request in every group", request_id,
+                        [list(g) for g in groups])
 
     def take_invalid_blocks(self) -> set[int]:
         """Local block ids of failed loads reported since the last call (empty for models
         with several KV-cache groups, see the class docstring)."""
         out, self._invalid = self._invalid, set()
         return out if self._single_group else set()
+
+    def take_invalid_groups(self) -> dict[str, tuple[tuple[int, ...], ...]]:
+        """Models with several KV-cache groups: each failed load's local block ids per group
+        (every group's blocks of the request) since the last call."""
+        out, self._invalid_groups = self._invalid_groups, {}
+        return out
 
     def take_stats(self) -> dict[str, Any] | None:
         """The interval's :mod:`kvbridge.vllm.stats` data since the last call, or None

@@ -18,7 +18,7 @@ from kvbridge.topology import EngineSpec
 
 from ..config import EngineConfig
 from .local import LocalRanks
-from .synthetic import logical_kv
+from .hybrid import logical_content
 
 
 def child_main(conn: Connection, role: str, spec: EngineSpec, ranks: list[int], num_blocks: int,
@@ -75,7 +75,7 @@ def _child_loop(conn, role, spec, ranks, num_blocks, config, incarnation, serve_
                 conn.send(("ok", None))
             elif cmd == "fill":
                 seed, ntok, block_ids = arg
-                kv = logical_kv(spec, seed, ntok)
+                kv = logical_content(spec, seed, ntok)
                 for r in ranks:
                     caches[r].fill(kv, block_ids)
                 conn.send(("ok", None))
@@ -127,7 +127,7 @@ def _child_loop(conn, role, spec, ranks, num_blocks, config, incarnation, serve_
             seed, ntok, computed, local_ids, pspec, verify = pending[rid]
             bad = -1
             if verify:  # the decode engine has post-processed the blocks (pull and push)
-                bad = caches[r].verify(logical_kv(spec, seed, ntok), local_ids, computed, ntok)
+                bad = caches[r].verify(logical_content(spec, seed, ntok), local_ids, computed, ntok)
             conn.send(("verified", (r, rid, bad)))
             if not any(x[1] == rid for x in to_verify):
                 pending.pop(rid, None)

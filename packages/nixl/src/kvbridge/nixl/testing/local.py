@@ -19,6 +19,7 @@ from ..config import EngineConfig
 from ..decode import DecodeEngine
 from ..prefill import PrefillEngine
 from ..rank import RankEngine
+from .hybrid import HybridCache
 from .synthetic import SyntheticCache
 
 
@@ -42,7 +43,8 @@ class LocalRanks:
         ranks = list(ranks)
         engine_cls = PrefillEngine if role == "p" else DecodeEngine
         n = spec.kernel_blocks_per_block
-        caches = {r: SyntheticCache.allocate(kernel_spec(spec), r, num_blocks * n) for r in ranks}
+        kind = HybridCache if spec.mamba is not None else SyntheticCache
+        caches = {r: kind.allocate(kernel_spec(spec), r, num_blocks * n) for r in ranks}
         inc = incarnation or new_incarnation()
         out = cls(spec, caches, {})
         try:

@@ -22,6 +22,17 @@ from kvbridge.memory import CacheRegions, regions_from_kv_caches
 from kvbridge.topology import KIND_KV, EngineSpec, HeadOrder, element_layout, head_range
 
 
+def flat_block_ids(block_ids) -> list[int]:
+    """Block ids given flat or per KV-cache group, as one flat list."""
+    out: list[int] = []
+    for b in block_ids:
+        if isinstance(b, (int, np.integer)):
+            out.append(int(b))
+        else:
+            out.extend(int(x) for x in b)
+    return out
+
+
 def logical_kv(spec: EngineSpec, seed: int, num_tokens: int) -> np.ndarray:
     """The request's whole KV content: uint8 [layers, kinds, heads, tokens, head bytes]."""
     kinds = 1 if spec.use_mla else 2
@@ -169,8 +180,9 @@ class SyntheticCache:
                     bad += int(np.count_nonzero(got != e))
         return bad
 
-    def clear(self, block_ids: list[int]) -> None:
-        idx = torch.as_tensor(block_ids, dtype=torch.long)
+    def clear(self, block_ids) -> None:
+        """Zero whole blocks (ids flat or per group)."""
+        idx = torch.as_tensor(flat_block_ids(block_ids), dtype=torch.long)
         for t in self.regions:
             t[idx] = 0
 

@@ -1,0 +1,159 @@
+"""KV-cache groups as the engine moves them: per-group block ids and how they pair up.
+
+An engine without declared groups (``EngineSpec.groups`` empty) has one FULL
+group of every layer and takes block ids as a flat list, as before groups
+existed. With groups, every call that takes block ids takes either one list per
+group, in the order of ``EngineSpec.groups``, or (single-group engines) a flat
+list. Pairing per group (see :class:`~kvbridge.topology.GroupKind`): FULL pairs
+the blocks in token order; SLIDING does the same and drops every pair in which
+either id is ``EngineConfig.null_block_id``; MAMBA pairs the last non-null block
+of each side and moves the plan's Mamba state pieces.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvbridge.memory import CacheRegions, RankDescriptors, block_id_array
+from kvbridge.topology import EngineSpec, GroupKind
+
+_EMPTY = np.zeros(0, dtype=np.int64)
+
+
+@dataclass(frozen=True)
+class EngineGroup:
+    """One KV-cache group as an engine sees it: its kind and the regions holding its layers
+    (None: every region)."""
+
+    kind: GroupKind
+    regions: tuple[int, ...] | None = None
+
+    @property
+    def attention(self) -> bool:
+        return self.kind is not GroupKind.MAMBA
+
+
+def engine_groups(spec: EngineSpec, regions: CacheRegions) -> tuple[EngineGroup, ...]:
+    """The engine's groups with their regions; raises ValueError for groups that cannot be moved."""
+    if not spec.groups:
+        if spec.mamba is not None:
+            raise ValueError(
+                f"engine {spec.engine_id!r} is a Mamba hybrid but declares no KV-cache groups: "
+                "name its attention and Mamba groups in EngineSpec.groups (CacheGroup), so the "
+                "engine knows which block ids hold the Mamba state"
+            )
+        return (EngineGroup(GroupKind.FULL),)
+    out = []
+    for i, g in enumerate(spec.groups):
+        regs = regions.group_regions(g.layers)
+        if not regs:
+            raise ValueError(
+                f"engine {spec.engine_id!r}: KV-cache group {i} ({g.kind.value}, layers "
+                f"{list(g.layers)[:8]}) names no layer of the registered cache; CacheGroup.layers "
+                "are positions in the KV-cache mapping"
+            )
+        if g.kind is GroupKind.MAMBA and not any(regions.regions[r].mamba_layers for r in regs):
+            raise ValueError(f"engine {spec.engine_id!r}: Mamba group {i} names no Mamba layer")
+        every = len(regs) == len(regions.regions)
+        out.append(EngineGroup(g.kind, None if every else regs))
+    return tuple(out)
+
+
+def _is_nested(ids: object) -> bool:
+    if isinstance(ids, np.ndarray):
+        return ids.ndim == 2 or (ids.dtype == object and ids.size > 0)
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
+        return False
+    return len(ids) > 0 and not isinstance(ids[0], (int, np.integer))
+
+
+def split_block_ids(ids: Sequence[int] | Sequence[Sequence[int]] | np.ndarray, n_groups: int,
+                    num_blocks: int, what: str) -> tuple[np.ndarray, ...]:
+    """Block ids, flat or one list per group, as one checked ``int64`` array per group.
+
+    A flat list is accepted for single-group engines; an empty list means no block
+    in any group. Raises ``ValueError`` for a wrong number of groups.
+    """
+    if isinstance(ids, np.ndarray) and ids.ndim == 1 and ids.dtype != object:
+        nested = False
+    else:
+        nested = _is_nested(ids)
+    if not nested:
+        flat = block_id_array(ids, num_blocks, what)
+        if flat.size == 0:
+            return (_EMPTY,) * n_groups
+        if n_groups != 1:
+            raise ValueError(
+                f"{what} block ids: this engine has {n_groups} KV-cache groups, so block ids must "
+                f"be {n_groups} lists (one per group, in the order of EngineSpec.groups), got one "
+                "flat list"
+            )
+        return (flat,)
+    groups = list(ids)
+    if len(groups) != n_groups:
+        raise ValueError(
+            f"{what} block ids: expected {n_groups} KV-cache group(s) (one list per group, in the "
+            f"order of EngineSpec.groups), got {len(groups)}"
+        )
+    return tuple(block_id_array(g, num_blocks, f"{what} (group {i})") for i, g in enumerate(groups))
+
+
+def as_params_ids(groups: tuple[np.ndarray, ...]) -> tuple:
+    """Block ids for :class:`~kvbridge.nixl.TransferParams`: flat for one group, else per group."""
+    if len(groups) == 1:
+        return tuple(groups[0].tolist())
+    return tuple(tuple(g.tolist()) for g in groups)
+
+
+def flat_ids(groups: tuple[np.ndarray, ...], null: int | None,
+             kinds: tuple[EngineGroup, ...] | None = None, attention_only: bool = False) -> np.ndarray:
+    """Every group's ids in one array, null ids left out (``attention_only``: FULL and
+    SLIDING groups only)."""
+    parts = [g for i, g in enumerate(groups)
+             if not (attention_only and kinds is not None and not kinds[i].attention)]
+    out = np.concatenate(parts) if parts else _EMPTY
+    return out if null is None else out[out != null]
+
+
+def _last(ids: np.ndarray, null: int | None) -> np.ndarray:
+    if null is not None:
+        ids = ids[ids != null]
+    return ids[-1:]
+
+
+def pair_indices(rd: RankDescriptors, groups: tuple[EngineGroup, ...],
+                 local: tuple[np.ndarray, ...], remote: tuple[np.ndarray, ...], *,
+                 skip: int | None, null: int | None, layers: Sequence[int] | None = None,
+                 attention: bool = True, mamba: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """``(local_idx, remote_idx)`` of one request's descriptors against one remote rank, every
+    group paired by its kind. ``local`` / ``remote`` are per-group ids of the plan's local
+    (decode) and remote (prefill) sides; ``layers`` selects attention layers (layered push);
+    ``attention`` / ``mamba`` select the kinds of descriptors."""
+    lparts, rparts = [], []
+    for g, lids, rids in zip(groups, local, remote, strict=True):
+        if g.attention:
+            if not attention:
+                continue
+            li, ri = rd.indices(lids, rids, local_skip_blocks=skip, layers=layers, regions=g.regions)
+            if g.kind is GroupKind.SLIDING and null is not None and li.size:
+                lb = (li.astype(np.int64) % rd.local_kernel_blocks) // rd.local_kernel_per_block
+                rb = (ri.astype(np.int64) % rd.remote_kernel_blocks) // rd.remote_kernel_per_block
+                keep = (lb != null) & (rb != null)
+                li, ri = li[keep], ri[keep]
+        else:
+            if not mamba:
+                continue
+            lids, rids = _last(lids, null), _last(rids, null)
+            if not lids.size or not rids.size:
+                continue
+            li, ri = rd.indices(lids, rids, group="mamba", regions=g.regions)
+        lparts.append(li)
+        rparts.append(ri)
+    if not lparts:
+        return np.zeros(0, np.int32), np.zeros(0, np.int32)
+    if len(lparts) == 1:
+        return lparts[0], rparts[0]
+    return np.concatenate(lparts), np.concatenate(rparts)
