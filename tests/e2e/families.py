@@ -227,13 +227,18 @@ class FamilyScenarios:
         expected failure that quotes the refusal (any other error still fails)."""
         if "kvb_refused" in state:
             pytest.xfail(f"KVBridgeConnector refused {self.family}: {state['kvb_refused']}")
+        if "kvb_failed" in state:  # fail at once rather than start the same engines again
+            pytest.fail(f"KVBridgeConnector engines for {self.family} failed to start in an "
+                        f"earlier test: {state['kvb_failed']}")
         try:
             return pool.use(*defs, keep=keep)
-        except EngineFailed:
+        except EngineFailed as exc:
             logs = "\n".join((pool.workdir / d.name / "engine.log").read_text(errors="replace")
                              for d in defs if (pool.workdir / d.name / "engine.log").exists())
             line = refusal_line(logs)
             if line is None:
+                errors = [x.strip() for x in logs.splitlines() if re.search(r"\w(Error|Exception): ", x)]
+                state["kvb_failed"] = (errors[-1] if errors else str(exc).splitlines()[0])[:400]
                 raise
             state["kvb_refused"] = line
             pytest.xfail(f"KVBridgeConnector refused {self.family}: {line}")
