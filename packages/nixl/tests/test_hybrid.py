@@ -268,3 +268,52 @@ def test_sliding_window_moves_only_blocks_inside_the_window(p_tp, d_tp, mode):
         assert np.count_nonzero(full) > 0
     finally:
         eng.close()
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_a_group_moves_only_the_regions_holding_its_layers(mode):
+    """Region 1 holds an attention layer only (no Mamba layer shares it): the Mamba group's
+    state moves in region 0 alone, and region 1's page with the state page's id is left alone."""
+    from kvbridge.handshake import new_incarnation
+    from kvbridge.nixl import DecodeEngine, PrefillEngine
+    from kvbridge.topology import CacheGroup, GroupKind
+
+    groups = (CacheGroup(GroupKind.FULL, (0, 2), 16), CacheGroup(GroupKind.MAMBA, (1,), 16))
+    cfg = replace(CFG, mode=mode)
+
+    def ranks(role, spec, serve):
+        cls = PrefillEngine if role == "p" else DecodeEngine
+        inc, caches, engines = new_incarnation(), {}, {}
+        for r in range(spec.tp_size):
+            c = HybridCache.allocate(spec, r, NB)
+            c.kv_caches = c.kv_caches[:3]  # attention 0 + Mamba 0 share region 0; attention 1
+            caches[r], engines[r] = c, cls(spec, r, c.cache_regions(), cfg, incarnation=inc)
+        server = engines[0].serve() if serve else None
+        for e in list(engines.values())[1:]:
+            if serve:
+                e.serve(server)
+        return LocalRanks(spec, caches, engines, server)
+
+    pspec = replace(hybrid("prefill", 2), groups=groups)
+    dspec = replace(hybrid("decode", 1), groups=groups)
+    eng = Engines.__new__(Engines)
+    eng.cfg = cfg
+    eng.p, eng.d = ranks("p", pspec, True), ranks("d", dspec, mode == "push")
+    try:
+        assert [g.regions for g in eng.d.engines[0].groups] == [None, (0,)]
+        content = logical_content(pspec, 9, 32)
+        p_ids, d_ids = [[1, 2], [NULL, 3]], [[4, 5], [NULL, 6]]
+        for c in eng.p.caches.values():
+            c.fill(content, p_ids)
+            c.regions[1][3] = 0x77  # prefill region 1 at the state page id: not state
+        dc = eng.d.caches[0]
+        dc.regions[1][6] = 0x3C
+        eng.move("g", p_ids, d_ids, content, fill=False)
+        from kvbridge.nixl.testing.synthetic import SyntheticCache
+
+        assert SyntheticCache.verify(dc, content.kv, [4, 5], 0, 32) == 0
+        shard = dc.state_shard(content, 0)
+        assert np.array_equal(dc.regions[0][6, :shard.size].numpy(), shard)
+        assert bool((dc.regions[1][6] == 0x3C).all()), "the Mamba group wrote a region without Mamba"
+    finally:
+        eng.close()
