@@ -55,4 +55,4 @@ def test_demo_help_names_only_flags_it_has(capsys):
         demo_command(["--help"])
     assert exc.value.code == 0
     out = capsys.readouterr().out
-    assert "--layout" in out and "--mamba" not in out
+    assert "--layout" in out and "--mamba" in out and "--ssm-heads" in out

@@ -265,3 +265,27 @@ def test_same_block_fast_path_equals_the_general_pairing_in_order(n_local, n_rem
     for a, b in zip(fast, general, strict=True):
         assert a.dtype == b.dtype == np.int32
         assert a.tolist() == b.tolist()
+
+
+@pytest.mark.parametrize("loc_tp,rem_tp,rem_bs", [(1, 2, 16), (2, 1, 8)])
+def test_region_selection_keeps_the_descriptors_of_those_regions(loc_tp, rem_tp, rem_bs):
+    """``regions=`` (a KV-cache group's regions) keeps exactly the descriptors whose local
+    address lies in those regions, and all regions together are the whole request."""
+    loc, rem = spec("d", loc_tp, 16, layers=2), spec("p", rem_tp, rem_bs, layers=2)
+    lg, rg = geo(loc, 20, 1 << 20), geo(rem, 30, 1 << 30)
+    plan = plan_rank(loc, rem, 0)
+    lids, rids = [3, 9], list(range(5, 5 + 2 * 16 // rem_bs))
+    for q in plan.source_ranks:
+        rd = rank_descriptors(plan, q, lg, rg)
+        li, _ = rd.indices(lids, rids)
+        local = rd.local_descs()
+        total = 0
+        for region in range(lg.num_regions):
+            lsel, rsel = rd.indices(lids, rids, regions=[region])
+            assert len(lsel) == len(rsel) > 0
+            lo = lg.base_addrs[region]
+            addrs = local[lsel, 0]
+            assert ((addrs >= lo) & (addrs < lo + 20 * lg.block_strides[region])).all()
+            total += len(lsel)
+        assert total == len(li)
+        assert len(rd.indices(lids, rids, regions=[])[0]) == 0

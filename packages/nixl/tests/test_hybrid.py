@@ -165,3 +165,155 @@ def test_wrong_group_count_is_a_value_error():
                                   [1, 2])
     finally:
         eng.close()
+
+
+@pytest.mark.parametrize("p_tp,d_tp", [(2, 1), (1, 2)])
+def test_layered_push_writes_the_mamba_state_at_finish(p_tp, d_tp):
+    eng = Engines(hybrid("prefill", p_tp), hybrid("decode", d_tp), replace(CFG, mode="push"))
+    try:
+        content = logical_content(eng.p.spec, 8, 32)
+        p_ids, d_ids = [[1, 2], [NULL, 3]], [[4, 5], [NULL, 6]]
+        for c in eng.p.caches.values():
+            c.fill(content, p_ids)
+        pre, dec = list(eng.p.engines.values()), list(eng.d.engines.values())
+        host, port = dec[0].address
+        target = TransferParams("decode", host, port, d_tp, ((4, 5), (NULL, 6)), "tok")
+        for e in dec:
+            e.expect("c", "prefill", p_tp, "tok", d_ids)
+        for e in pre:
+            e.push_start("c", p_ids, target)
+            e.push_layers("c", [0])
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and any(e.mode._pushes["c"].in_flight or
+                                                  e.mode._pushes["c"].waiting for e in pre):
+            for e in pre + dec:
+                e.poll()
+            time.sleep(0.001)
+        # layer 0's attention arrived, the Mamba state (written at finish) not yet
+        for c in eng.d.caches.values():
+            assert c.verify(content.kv, [4, 5], 0, 32, layers=[0]) == 0
+            assert not any(t[6].any() for t in c.regions)
+        for e in pre:
+            e.push_finish("c")
+        eng.run("c")
+        for c in eng.d.caches.values():
+            assert c.verify(content, d_ids, 0, 32) == 0
+    finally:
+        eng.close()
+
+
+# ----- sliding window: two groups sharing every region ---------------------------------
+def _shared_ranks(role, spec, cfg, serve):
+    """Ranks whose regions are each shared by a full-attention layer (entry 2j) and a
+    sliding-window layer (entry 2j + 1), as vLLM's hybrid allocator shares tensors."""
+    from kvbridge.handshake import new_incarnation
+    from kvbridge.nixl import DecodeEngine, PrefillEngine
+    from kvbridge.nixl.testing.synthetic import SyntheticCache
+
+    cls = PrefillEngine if role == "p" else DecodeEngine
+    caches, engines = {}, {}
+    inc = new_incarnation()
+    for r in range(spec.tp_size):
+        c = SyntheticCache.allocate(spec, r, NB)
+        c.kv_caches = [t for t in c.kv_caches for _ in range(2)]
+        caches[r] = c
+        engines[r] = cls(spec, r, c.cache_regions(), cfg, incarnation=inc)
+    server = None
+    if serve:
+        server = engines[0].serve()
+        for e in list(engines.values())[1:]:
+            e.serve(server)
+    return LocalRanks(spec, caches, engines, server)
+
+
+def sliding(engine_id, tp):
+    from kvbridge.topology import CacheGroup, GroupKind
+
+    groups = (CacheGroup(GroupKind.FULL, (0, 2), 16), CacheGroup(GroupKind.SLIDING, (1, 3), 16, 32))
+    return EngineSpec(engine_id, tp, 2, 16, 2, 16, "bf16", groups=groups)
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+@pytest.mark.parametrize("p_tp,d_tp", [(2, 1), (1, 1)])
+def test_sliding_window_moves_only_blocks_inside_the_window(p_tp, d_tp, mode):
+    from kvbridge.nixl.testing.synthetic import logical_kv
+
+    cfg = replace(CFG, mode=mode)
+    eng = Engines.__new__(Engines)
+    eng.cfg = cfg
+    pspec, dspec = sliding("prefill", p_tp), sliding("decode", d_tp)
+    eng.p = _shared_ranks("p", pspec, cfg, True)
+    eng.d = _shared_ranks("d", dspec, cfg, mode == "push")
+    try:
+        full, window = logical_kv(pspec, 1, 80), logical_kv(pspec, 2, 80)
+        p_full, p_slide = [1, 2, 3, 4, 5], [NULL, NULL, 6, 7, 8]
+        d_full, d_slide = [1, 2, 3, 4, 5], [NULL, NULL, NULL, 9, 10]
+        for c in eng.p.caches.values():
+            c.fill(full, p_full)
+            c.fill(window, p_slide[2:], first_token=32)
+            for t in c.regions:
+                t[NULL] = 0x11  # the prefill's null block: must never be read
+        for c in eng.d.caches.values():
+            for t in c.regions:
+                t[NULL] = 0xA5
+                t[6:9] = 0x3C  # decode blocks the request does not use
+        eng.move("w", [p_full, p_slide], [d_full, d_slide], None, fill=False)
+        for c in eng.d.caches.values():
+            assert c.verify(full, d_full, 0, 80) == 0
+            assert c.verify(window, [9, 10], 48, 80) == 0
+            for t in c.regions:
+                assert bool((t[NULL] == 0xA5).all()), "a null block was written"
+                assert bool((t[6:9] == 0x3C).all()), "a block outside the request was written"
+        # without the null block id, the window's pair (prefill 6, decode null) would move
+        assert np.count_nonzero(full) > 0
+    finally:
+        eng.close()
+
+
+@pytest.mark.parametrize("mode", ["pull", "push"])
+def test_a_group_moves_only_the_regions_holding_its_layers(mode):
+    """Region 1 holds an attention layer only (no Mamba layer shares it): the Mamba group's
+    state moves in region 0 alone, and region 1's page with the state page's id is left alone."""
+    from kvbridge.handshake import new_incarnation
+    from kvbridge.nixl import DecodeEngine, PrefillEngine
+    from kvbridge.topology import CacheGroup, GroupKind
+
+    groups = (CacheGroup(GroupKind.FULL, (0, 2), 16), CacheGroup(GroupKind.MAMBA, (1,), 16))
+    cfg = replace(CFG, mode=mode)
+
+    def ranks(role, spec, serve):
+        cls = PrefillEngine if role == "p" else DecodeEngine
+        inc, caches, engines = new_incarnation(), {}, {}
+        for r in range(spec.tp_size):
+            c = HybridCache.allocate(spec, r, NB)
+            c.kv_caches = c.kv_caches[:3]  # attention 0 + Mamba 0 share region 0; attention 1
+            caches[r], engines[r] = c, cls(spec, r, c.cache_regions(), cfg, incarnation=inc)
+        server = engines[0].serve() if serve else None
+        for e in list(engines.values())[1:]:
+            if serve:
+                e.serve(server)
+        return LocalRanks(spec, caches, engines, server)
+
+    pspec = replace(hybrid("prefill", 2), groups=groups)
+    dspec = replace(hybrid("decode", 1), groups=groups)
+    eng = Engines.__new__(Engines)
+    eng.cfg = cfg
+    eng.p, eng.d = ranks("p", pspec, True), ranks("d", dspec, mode == "push")
+    try:
+        assert [g.regions for g in eng.d.engines[0].groups] == [None, (0,)]
+        content = logical_content(pspec, 9, 32)
+        p_ids, d_ids = [[1, 2], [NULL, 3]], [[4, 5], [NULL, 6]]
+        for c in eng.p.caches.values():
+            c.fill(content, p_ids)
+            c.regions[1][3] = 0x77  # prefill region 1 at the state page id: not state
+        dc = eng.d.caches[0]
+        dc.regions[1][6] = 0x3C
+        eng.move("g", p_ids, d_ids, content, fill=False)
+        from kvbridge.nixl.testing.synthetic import SyntheticCache
+
+        assert SyntheticCache.verify(dc, content.kv, [4, 5], 0, 32) == 0
+        shard = dc.state_shard(content, 0)
+        assert np.array_equal(dc.regions[0][6, :shard.size].numpy(), shard)
+        assert bool((dc.regions[1][6] == 0x3C).all()), "the Mamba group wrote a region without Mamba"
+    finally:
+        eng.close()

@@ -107,7 +107,13 @@ def test_sliding_window_model_registers_every_group() -> None:
         (GroupKind.SLIDING, (2,), 32), (GroupKind.FULL, (3,), None)]
     assert reg.spec.layout is Layout.PACKED and reg.spec.block_size == 128
     assert reg.engine_config.null_block_id == 0  # vLLM's null block: outside the window
-    assert len(reg.regions.regions) == 4 and reg.regions.num_blocks == 8
+    # vLLM's groups share one pool of pages: the four layers view one buffer, one region
+    (region,) = reg.regions.regions
+    assert region.positions == (0, 1, 2, 3) and reg.regions.num_blocks == 8
+    separate = vs.gemma3(shared=False)
+    reg = register_caches(separate.vllm_config, separate.kv_cache_config, separate.caches, CFG,
+                          engine_id="G", attention_backend="test")
+    assert [r.positions for r in reg.regions.regions] == [(0,), (1,), (2,), (3,)]
 
 
 @pytest.mark.xfail(strict=True, raises=CacheShapeError,
@@ -213,8 +219,9 @@ class Engine:
 
     KINDS = ("sliding",) * 3 + ("full",)
 
-    def __init__(self, engine_id: str, roles: EngineRoles, seed: int | None) -> None:
-        self.fam = vs.gemma3(nb=16, seed=seed)
+    def __init__(self, engine_id: str, roles: EngineRoles, seed: int | None,
+                 shared: bool = True) -> None:
+        self.fam = vs.gemma3(nb=16, seed=seed, shared=shared)
         self.port = _free_port()
         self.sched = SchedulerSide(engine_id=engine_id, block_size=128, tp_size=1, config=CFG,
                                    port=self.port, roles=roles, group_kinds=self.KINDS)
@@ -262,8 +269,14 @@ def _transfer(p: Engine, d: Engine, p_groups, d_groups, tokens: int, *, kill_pre
     return recved, failed
 
 
-def test_sliding_window_model_moves_every_group_over_nixl() -> None:
-    p, d = Engine("P", PREFILL, seed=1), Engine("D", DECODE, seed=None)
+@pytest.mark.parametrize("shared", [
+    pytest.param(True, marks=pytest.mark.xfail(
+        strict=True, raises=AssertionError,
+        reason="kvbridge.memory/nixl expect one region per attention layer; vLLM 0.32 shares one "
+               "page tensor between the layers of all groups (engine branch)")),
+    False])
+def test_sliding_window_model_moves_every_group_over_nixl(shared: bool) -> None:
+    p, d = Engine("P", PREFILL, seed=1, shared=shared), Engine("D", DECODE, seed=None, shared=shared)
     try:
         # 300 tokens in blocks of 128: the sliding layers keep only the last block (window 32),
         # vLLM's null block 0 stands for the others, on both sides

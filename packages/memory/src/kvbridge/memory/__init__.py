@@ -34,7 +34,9 @@ num_blocks (logical), block_stride (bytes between logical blocks),
 element_bytes, element_offsets`` (attention elements within a *kernel* block),
 ``roles`` (per element, the ``(layer, kind)`` pairs stored there; kind 0 = K or
 MLA latent, 1 = V, 2 = packed K+V; several layers when a tensor is shared) and
-``mamba_layers`` (Mamba layers whose conv + SSM state share the pages).
+``mamba_layers`` (Mamba layers whose conv + SSM state share the pages) and
+``positions`` (the ``kv_caches`` entries it holds: ``CacheGroup.layers`` numbers;
+``CacheRegions.group_regions(layers)`` lists the regions of a KV-cache group).
 
 ``regions_from_kv_caches(kv_caches, spec) -> CacheRegions``: ``kv_caches`` is a
 ``Mapping[str, Tensor | (conv, ssm)]`` or a ``Sequence`` of the same, one entry
@@ -75,8 +77,9 @@ larger kernel block has ``ratio`` transfer units per element, each its own row.
 (the N x 5 tables), ``remote_descs(strided=False)``,
 ``local_descs(strided=False)``, ``num_remote_descs``, ``num_local_descs``, and
 ``indices(local_ids, remote_ids, *, group="attention"|"mamba",
-local_skip_blocks=None) -> (local_idx, remote_idx)`` (int32 index arrays into
-the two lists; concatenate the pairs of several groups). Ids are logical block ids of that group; ``remote_ids`` start
+local_skip_blocks=None, layers=None, regions=None) -> (local_idx, remote_idx)``
+(int32 index arrays into the two lists; concatenate the pairs of several groups;
+``layers`` keeps some attention layers, ``regions`` some local regions). Ids are logical block ids of that group; ``remote_ids`` start
 at the prompt's first token, ``local_ids`` at block ``local_skip_blocks`` (a
 partial prefix hit: only the uncomputed tail is read; ``None`` = the vLLM
 convention ``len(remote_ids) - len(local_ids)`` for equal block sizes).

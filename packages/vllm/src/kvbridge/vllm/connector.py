@@ -133,6 +133,9 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         _route_logs()
         ktc = vllm_config.kv_transfer_config
         self.config: ConnectorConfig = parse_connector_config(ktc.kv_connector_extra_config)
+        self.roles = check_engine_support(
+            self.config, kv_role=ktc.kv_role, kv_cache_groups=shims.transfer_groups(kv_cache_config),
+            **shims.parallel_sizes(vllm_config))
         try:
             self.groups: tuple[GroupFacts, ...] = (group_facts(kv_cache_config)
                                                    if kv_cache_config is not None else ())
@@ -140,9 +143,6 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
             self.block_size = attention_block_size(self.groups, vllm_config.cache_config.block_size)
         except CacheShapeError as exc:
             raise ConfigError(str(exc)) from None
-        self.roles = check_engine_support(
-            self.config, kv_role=ktc.kv_role, kv_cache_groups=shims.transfer_groups(kv_cache_config),
-            **shims.parallel_sizes(vllm_config))
         hybrid = len(self.groups) > 1
         self.has_mamba = any(g.kind.value == "mamba" for g in self.groups)
         self.engine_id: str = ktc.engine_id

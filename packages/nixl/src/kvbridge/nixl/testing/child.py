@@ -17,8 +17,8 @@ import torch
 from kvbridge.topology import EngineSpec
 
 from ..config import EngineConfig
-from .local import LocalRanks
 from .hybrid import logical_content
+from .local import LocalRanks
 
 
 def child_main(conn: Connection, role: str, spec: EngineSpec, ranks: list[int], num_blocks: int,

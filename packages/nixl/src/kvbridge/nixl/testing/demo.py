@@ -15,6 +15,7 @@ from kvbridge.topology import (
     TopologyError,
     add_shape_arguments,
     engines_from_args,
+    mamba_state_bytes,
     plan_to_text,
     plan_transfer,
 )
@@ -23,6 +24,7 @@ from ..agent import AgentConfig
 from ..config import EngineConfig
 from ..stats import Stats
 from .harness import Cluster, HarnessError
+from .hybrid import with_hybrid_groups
 from .memcpy import memcpy_gbps
 from .progress import Progress, Ticker
 
@@ -38,9 +40,11 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def _config(args: argparse.Namespace) -> EngineConfig:
+    # hybrid (--mamba) requests name the null block 0 in their Mamba group's list, as vLLM does
     return EngineConfig(agent=AgentConfig(backends=tuple(b.strip() for b in args.backends.split(",") if b.strip()),
                                           num_threads=args.ucx_threads),
-                        mode=args.mode, handshake_timeout_s=20.0, transfer_timeout_s=120.0)
+                        mode=args.mode, handshake_timeout_s=20.0, transfer_timeout_s=120.0,
+                        null_block_id=NULL if getattr(args, "mamba", False) else None)
 
 
 def _demo_parser() -> argparse.ArgumentParser:
@@ -51,7 +55,8 @@ def _demo_parser() -> argparse.ArgumentParser:
         "every byte.",
     )
     add_shape_arguments(p, defaults={"prefill_tp": 2, "decode_tp": 1, "kv_heads": 8, "head_dim": 128,
-                                     "layers": 8})
+                                     "layers": 8, "ssm_heads": 16, "ssm_head_dim": 32, "ssm_state": 16,
+                                     "ssm_groups": 4, "conv_width": 4}, mamba=True)
     p.add_argument("--blocks", type=int, default=32, metavar="N", help="prefill blocks per request (default 32)")
     p.add_argument("--requests", type=int, default=8, metavar="R", help="requests in the batch (default 8)")
     p.add_argument("--rounds", type=int, default=3, metavar="N",
@@ -60,6 +65,9 @@ def _demo_parser() -> argparse.ArgumentParser:
     _engine_args(p)
     p.add_argument("-v", "--verbose", action="store_true", help="log engine events")
     return p
+
+
+NULL = 0  # the block hybrid requests name where they hold no block (never allocated)
 
 
 def _d_blocks_for(n_p: int, p_bs: int, d_bs: int) -> int:
@@ -78,6 +86,8 @@ def demo_command(argv: list[str]) -> int:
         return 2
     try:
         prefill, decode = engines_from_args(args)
+        if args.mamba:  # one FULL attention group and one MAMBA group sharing every region
+            prefill, decode = with_hybrid_groups(prefill), with_hybrid_groups(decode)
         plan = plan_transfer(prefill, decode)
     except TopologyError as exc:
         print(f"kvbridge demo: error: {exc}", file=sys.stderr)
@@ -86,11 +96,17 @@ def demo_command(argv: list[str]) -> int:
     n_p = args.blocks
     n_d = _d_blocks_for(n_p, prefill.block_size, decode.block_size)
     ntok = n_p * prefill.block_size
-    num_blocks = max(n_p, n_d) * args.requests
+    # hybrids: block 0 is the null block, and every request has one Mamba state page more
+    num_blocks = (max(n_p, n_d) + 1) * args.requests + 1 if args.mamba else max(n_p, n_d) * args.requests
     per_rank_mib = max(n_p * prefill.region_block_bytes * plan.prefill_layout.regions,
                        n_d * decode.region_block_bytes * plan.decode_layout.regions) * args.requests / 2**20
-    print(f"\ndemo: {args.requests} requests x {ntok} tokens ({n_p} prefill blocks, {n_d} decode blocks), "
-          f"mode {args.mode}, cache per rank {per_rank_mib:.1f} MiB", flush=True)
+    state = ""
+    if args.mamba:
+        state = (f" + one Mamba state page per request ({mamba_state_bytes(prefill)} / "
+                 f"{mamba_state_bytes(decode)} bytes of state per layer and prefill / decode rank, "
+                 f"pages of {prefill.region_block_bytes} / {decode.region_block_bytes} bytes)")
+    print(f"\ndemo: {args.requests} requests x {ntok} tokens ({n_p} prefill blocks, {n_d} decode blocks"
+          f"{state}), mode {args.mode}, cache per rank {per_rank_mib:.1f} MiB", flush=True)
     try:
         run = _run(args, prefill, decode, n_p, n_d, ntok, num_blocks)
     except HarnessError as exc:
@@ -129,6 +145,8 @@ def _run_batch(args, c: Cluster, rng, out: dict, n_p: int, n_d: int, ntok: int, 
         for i in range(args.requests):
             pb = list(range(int(p_slots[i]) * n_p, int(p_slots[i]) * n_p + n_p))
             db = list(range(int(d_slots[i]) * n_d, int(d_slots[i]) * n_d + n_d))
+            if args.mamba:  # [attention ids, Mamba ids]: the state page last, null blocks before
+                pb, db = _hybrid_ids(pb, i, n_p, args.requests), _hybrid_ids(db, i, n_d, args.requests)
             c.fill(1000 + i, pb, ntok)
             batch.append((f"req-{i}", 1000 + i, pb, db, ntok))
             bar()
@@ -170,6 +188,13 @@ def _round(args, c: Cluster, mover, batch: list[tuple], results: dict, label: st
         "loaded_at": {r: min((x.loaded_at.get(r, t0) for x in res.values()), default=t0) for r in tp},
         "done_at": {r: max((x.done_at.get(r, t0) for x in res.values()), default=t0) for r in tp},
     }
+
+
+def _hybrid_ids(attn: list[int], i: int, n: int, requests: int) -> list[list[int]]:
+    """Request ``i``'s block ids per group: attention blocks after the null block 0, and its
+    Mamba state page after every request's attention blocks."""
+    page = 1 + n * requests + i
+    return [[b + 1 for b in attn], [NULL] * (len(attn) - 1) + [page]]
 
 
 def _groups(spec, args) -> list:
