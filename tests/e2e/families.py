@@ -199,6 +199,7 @@ REFUSALS = (
     "KV-cache groups (sliding-window, Mamba or mixed",
     "models with several KV-cache groups are not supported yet",
     "Failed to promote local KV cache specs to one unified type",
+    "hybrid Mamba models are not supported with the packed layout",
 )
 
 
@@ -216,6 +217,15 @@ class FamilyScenarios:
     prefill/decode pair working at a time)."""
 
     family: str = ""
+    #: test name -> (exception type, reason): known kvbridge gaps, as strict expected failures
+    #: (an XPASS fails the run: remove the entry when the gap is closed)
+    known_failures: dict[str, tuple[type[BaseException], str]] = {}
+
+    @pytest.fixture(autouse=True)
+    def _known_failure(self, request: pytest.FixtureRequest) -> None:
+        known = self.known_failures.get(request.node.originalname)
+        if known is not None:
+            request.node.add_marker(pytest.mark.xfail(strict=True, raises=known[0], reason=known[1]))
     rounds: int = 3  # the first pays handshakes; the others give the steady TTFT
 
     # ---------------------------------------------------------------- helpers
