@@ -248,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
                            head_dim=args.head_dim, intermediate=2 * args.heads * args.head_dim)
     prompts = make_prompts([args.prompt_len] * args.num_prompts, seed=7)
     kv_bytes = 2 * args.layers * args.kv_heads * args.head_dim * 4 * args.prompt_len * args.num_prompts
+    family_env = dict(FAMILIES[args.model_family].env) if family else {}
     engine_kw = {**(FAMILIES[args.model_family].engine if family else {}),
                  "kv_cache_memory_bytes": args.kv_cache_mib * 2**20,
                  "max_model_len": max(1024, args.prompt_len + args.max_tokens + 32)}
@@ -274,9 +275,9 @@ def main(argv: list[str] | None = None) -> int:
             run = run_disaggregated(
                 BENCH_CONNECTORS[name], model, prompts, args.max_tokens, workdir / name,
                 prefill=EngineConfig(tp=args.prefill_tp, cpus=p_cpus,
-                                     engine=engine_kw),
+                                     engine=engine_kw, extra_env=family_env),
                 decode=EngineConfig(tp=args.decode_tp, cpus=d_cpus,
-                                    engine=engine_kw),
+                                    engine=engine_kw, extra_env=family_env),
                 rounds=args.rounds, timings=True, deadline_s=args.deadline_s,
             )
         except EngineFailed as exc:  # keep the other connectors' figures

@@ -320,6 +320,8 @@ class EngineConfig:
     # of the other engine stalled for minutes, long enough for every READ to time out.
     cpus: str = "0"
     engine: Mapping[str, Any] = field(default_factory=dict)
+    # more environment for the engine's processes (e.g. VLLM_SSM_CONV_STATE_LAYOUT)
+    extra_env: Mapping[str, str] = field(default_factory=dict)
 
     def env(self) -> dict[str, str]:
         env = {"VLLM_CPU_OMP_THREADS_BIND": self.cpus}
@@ -327,6 +329,7 @@ class EngineConfig:
             env["OMP_NUM_THREADS"] = "1"
         if self.in_process is not None:
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if self.in_process else "1"
+        env.update(self.extra_env)
         return env
 
     def llm_kwargs(self) -> dict[str, Any]:

