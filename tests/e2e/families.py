@@ -183,6 +183,13 @@ def invalid_groups(log: str) -> dict[str, list[list[int]]]:
     return {m.group(1): ast.literal_eval(m.group(2)) for m in _INVALID_GROUPS.finditer(log)}
 
 
+def nixl_handshake_timed_out(run: DisaggRun) -> bool:
+    """vLLM's NixlConnector gave up on a handshake after its fixed 5 s receive timeout and
+    failed every request of the round."""
+    return (all(r == "error" for r in run.decode_finish_reasons())
+            and "handshake_setup_failed" in run.decode_log and "zmq.error.Again" in run.decode_log)
+
+
 def failure_counted(run: DisaggRun) -> float:
     start, end = run.decode.get("metrics_start", []), run.decode.get("metrics_end", [])
     return sum(metric_total(end, n) - metric_total(start, n) for n in run.connector.failure_counters)
@@ -264,7 +271,14 @@ class FamilyScenarios:
 
     def _rounds(self, pool: EnginePool, p: Engine, d: Engine, prompts: list[list[int]],
                 base: list[list[int]], label: str) -> list[DisaggRun]:
-        runs = [pool.round(p, d, prompts, MAX_TOKENS) for _ in range(self.rounds)]
+        runs = [pool.round(p, d, prompts, MAX_TOKENS)]
+        if label == NIXL.label and nixl_handshake_timed_out(runs[0]):
+            # vLLM's NixlConnector waits 5 s (fixed) for a handshake answer; on two cores
+            # shared with other work that lapsed once here. The reference gets one retry
+            # (printed); kvbridge gets none.
+            print(f"\n[{self.family}] NixlConnector handshake timed out (5 s); round repeated")
+            runs = [pool.round(p, d, prompts, MAX_TOKENS)]
+        runs += [pool.round(p, d, prompts, MAX_TOKENS) for _ in range(self.rounds - 1)]
         for i, run in enumerate(runs):
             assert run.decode_tokens() == base, f"{label} round {i}"
             check_clean(run, len(prompts))
