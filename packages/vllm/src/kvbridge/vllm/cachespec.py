@@ -135,11 +135,14 @@ def _describe(t: LayerTensor, facts: ModelFacts, h: int) -> tuple[Layout, HeadOr
     )
 
 
-def engine_spec_for(facts: ModelFacts, layers: Sequence[LayerTensor]) -> EngineSpec:
+def engine_spec_for(facts: ModelFacts, layers: Sequence[LayerTensor],
+                    num_layers: int | None = None) -> EngineSpec:
     """The :class:`EngineSpec` of one rank's cache (``layers`` in any order).
 
     Every layer must have the same layout, head order, block count and dtype;
     the kernel block count must be a whole multiple of ``facts.num_blocks``.
+    ``num_layers``: the attention tensors when several layers view one (vLLM's
+    KV-cache groups share pages; default: one tensor per layer).
     """
     if not layers:
         raise CacheShapeError("no KV-cache tensors were registered")
@@ -169,7 +172,7 @@ def engine_spec_for(facts: ModelFacts, layers: Sequence[LayerTensor]) -> EngineS
     try:
         return EngineSpec(
             engine_id=facts.engine_id, tp_size=facts.tp_size,
-            num_kv_heads=heads_total, head_dim=head_dim, num_layers=len(layers),
+            num_kv_heads=heads_total, head_dim=head_dim, num_layers=num_layers or len(layers),
             block_size=facts.block_size, dtype=dtype, kernel_blocks_per_block=n,
             layout=layout, head_order=order, use_mla=facts.use_mla,
         )

@@ -272,8 +272,9 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         if not params or not params.get("do_remote_prefill"):
             return
         if num_external_tokens > 0:
-            unhashed = shims.select_groups(self._kv_cache_config, shims.unhashed_block_ids(blocks))
             computed = shims.computed_block_count(blocks, self._kv_cache_config)
+            unhashed = shims.select_groups(self._kv_cache_config, shims.load_block_ids(
+                blocks, self._kv_cache_config, computed))
         else:
             unhashed, computed = (), 0
         self._s().state.after_alloc(request.request_id, params, request.num_prompt_tokens,

@@ -133,7 +133,9 @@ def register_caches(vllm_config: Any, kv_cache_config: Any, kv_caches: Mapping[s
                               "KVBridgeConnector moves attention caches with their Mamba state")
     layers = [LayerTensor(n, tuple(caches[n].shape), tuple(caches[n].stride()),
                           dtype_name(caches[n].dtype)) for n in attention]
-    spec = engine_spec_for(facts, layers)
+    # vLLM's KV-cache groups share pages: the layers of different groups view one tensor,
+    # which kvbridge registers once (one region, the layers' roles in it)
+    spec = engine_spec_for(facts, layers, len({caches[n].data_ptr() for n in attention}))
     if len(groups) > 1 or any(g.kind is not GroupKind.FULL for g in groups):
         try:
             spec = replace(spec, groups=cache_groups(groups, names),

@@ -32,6 +32,7 @@ __all__ = [
     "attention_backend_name",
     "computed_block_count",
     "conv_state_dim_first",
+    "load_block_ids",
     "dp_index",
     "drop_last_prompt_token",
     "parallel_sizes",
@@ -75,6 +76,24 @@ def unhashed_block_ids(blocks: KVCacheBlocks) -> list:
     if hasattr(blocks, "get_unhashed_block_ids_all_groups"):
         return blocks.get_unhashed_block_ids_all_groups()
     return [blocks.get_unhashed_block_ids()]  # pragma: no cover - older vLLM
+
+
+def load_block_ids(blocks: KVCacheBlocks, kv_cache_config: KVCacheConfig | None,
+                   computed: int) -> list:
+    """Per-group ids of the blocks a load writes: the blocks after the ``computed`` leading
+    prefix-cache hits. One group: the newly allocated (unhashed) blocks. Several groups:
+    every block after the hits, vLLM's null blocks included (a sliding-window group pads
+    the blocks outside its window with block 0; dropping them, as vLLM's
+    ``get_unhashed_block_ids_all_groups`` does, would shift the pairing with the prefill
+    engine's list), and a Mamba group's whole list (its blocks are of another size)."""
+    if len(getattr(blocks, "blocks", ()) or ()) <= 1:
+        return unhashed_block_ids(blocks)
+    specs = [g.kv_cache_spec for g in getattr(kv_cache_config, "kv_cache_groups", ())]
+    out = []
+    for i, ids in enumerate(blocks.get_block_ids()):
+        mamba = i < len(specs) and type(specs[i]).__name__ == "MambaSpec"
+        out.append(list(ids) if mamba else list(ids)[computed:])
+    return out
 
 
 def computed_block_count(blocks: KVCacheBlocks, kv_cache_config: KVCacheConfig | None = None) -> int:
