@@ -15,7 +15,15 @@ from .plan import ProducerRankPlan, RankPlan, plan_rank, producer_plans
 from .reads import DimRead, ReadOp, plan_dim, seed_handshake_ranks, tp_ratio
 from .render import plan_to_json, plan_to_svg, plan_to_text
 from .shapes import add_shape_arguments, engines_from_args
-from .spec import ConvLayout, EngineSpec, HeadOrder, Layout, MambaSpec, mamba_state_bytes
+from .spec import (
+    ConvLayout,
+    EngineSpec,
+    HeadOrder,
+    Layout,
+    MambaSpec,
+    mamba_state_bytes,
+    mamba_state_layout,
+)
 from .transfer import PostProcess, TransferPlan, plan_transfer
 
 __all__ = [
@@ -25,7 +33,7 @@ __all__ = [
     "TopologyError", "TransferPlan", "add_shape_arguments", "block_size_ratio",
     "blocks_for_tokens", "canonical_dtype", "check_compatible", "check_tp_heads", "dtype_size",
     "effective_groups", "element_kinds", "element_layout", "engines_from_args", "head_range", "heads_per_rank",
-    "is_replicated", "kernel_block_ids", "mamba_state_bytes", "plan_dim", "plan_rank",
+    "is_replicated", "kernel_block_ids", "mamba_state_bytes", "mamba_state_layout", "plan_dim", "plan_rank",
     "plan_to_json", "plan_to_svg", "plan_to_text", "plan_transfer", "producer_plans",
     "ranks_holding", "seed_handshake_ranks", "tp_ratio",
 ]

@@ -30,8 +30,8 @@ from kvbridge.topology import (
     element_layout,
     head_range,
     mamba_state_bytes,
+    mamba_state_layout,
 )
-from kvbridge.topology.spec import mamba_state_layout
 
 from .synthetic import SyntheticCache, flat_block_ids, logical_kv
 
