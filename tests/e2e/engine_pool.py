@@ -326,6 +326,14 @@ def pd_round(prefill: Engine, decode: Engine, prompts: list[list[int]], max_toke
         d_seq = decode.send("generate", prompts=prompts, max_tokens=max_tokens, params=d_params)
         p_seq = prefill.send("generate", prompts=prompts, max_tokens=1, params=p_params)
         p_rec = prefill.wait(p_seq, deadline_s, others=[decode])
+        # An in-process engine steps only inside a command; kvbridge's prefill side finishes
+        # a push (release, notification) in later steps, which the old one-process-per-core
+        # engine loop ran by itself. Keep the prefill engine stepping until decode is done.
+        end = time.monotonic() + deadline_s
+        while not (decode.ctrl / f"reply_{d_seq}.json").exists() and time.monotonic() < end:
+            if not decode.alive():
+                break
+            prefill.call("flush", 300, prompt=prompts[0][:8], delay_s=0.2)
         d_rec = decode.wait(d_seq, deadline_s, others=[prefill])
     else:
         p_rec = prefill.call("generate", deadline_s, prompts=prompts, max_tokens=1,

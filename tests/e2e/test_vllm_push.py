@@ -93,10 +93,10 @@ def test_push_layer_by_layer_matches_baseline(pool: EnginePool, prefill_kv2: Eng
 def test_push_negative_control_dummy_prefill_weights_mismatch(
         pool: EnginePool, model_kv2: Path, prompts: list[list[int]],
         push_baseline_kv2: list[list[int]]) -> None:
-    # A fresh decode engine: one that already took a push from another prefill engine
-    # waited 120 s for this one's and failed every request, although the prefill engine
-    # wrote every layer without error (seen 2026-11-26; reported to the connector's owners).
-    # Its baseline is that of the same model and settings (local runs are identical).
+    # A fresh decode engine (its baseline is that of the same model and settings: local runs
+    # are identical). Seen 2026-11-26 before pd_round kept the prefill engine stepping in push
+    # mode: decode waited 120 s for this push and failed every request, although the prefill
+    # engine wrote every layer without error.
     p, d = pool.use(EngineDef("prefill-kv2-push-dummy", model_kv2, "prefill", LAYERWISE,
                               replace(TP1, engine={"load_format": "dummy"})),
                     EngineDef("decode-kv2-push-2", model_kv2, "decode", LAYERWISE, TP1))
