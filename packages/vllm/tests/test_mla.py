@@ -1,6 +1,7 @@
 """MLA through the connector's halves, without vLLM: the cache tensors are shaped
-exactly as vLLM's MLA backends allocate them (one latent vector per token and
-layer: ``[blocks, block_size, kv_lora_rank + qk_rope_head_dim]``), registration
+exactly as vLLM 0.32's CPU_MLA backend hands them to the connector (one latent
+vector per token and layer: ``[blocks, 1, block_size, kv_lora_rank +
+qk_rope_head_dim]``, seen in a real engine), registration
 describes them as one replicated "head", and a prefill engine of TP 2 serves a
 decode engine of TP 1 with one READ from one rank and a notice to the other
 (which holds the same bytes), over real NIXL agents and a real side channel."""
@@ -41,9 +42,10 @@ def _vllm_config(tp: int) -> SimpleNamespace:
 
 
 def _mla_caches(fill: torch.Tensor | None) -> dict[str, torch.Tensor]:
-    """vLLM's MLA cache per layer: [num_blocks, block_size, latent] (every TP rank the same)."""
+    """vLLM 0.32's MLA cache per layer: [num_blocks, 1, block_size, latent] (every TP rank
+    the same)."""
     return {f"model.layers.{i}.self_attn.attn": (fill[i].clone() if fill is not None else
-                                                 torch.zeros(NB, BLOCK, LATENT))
+                                                 torch.zeros(NB, 1, BLOCK, LATENT))
             for i in range(LAYERS)}
 
 
@@ -94,7 +96,7 @@ class MlaEngine:
 
 
 def test_mla_registration_describes_one_replicated_latent_head() -> None:
-    e = MlaEngine("P", PREFILL, 2, torch.rand(LAYERS, NB, BLOCK, LATENT))
+    e = MlaEngine("P", PREFILL, 2, torch.rand(LAYERS, NB, 1, BLOCK, LATENT))
     try:
         s = e.spec
         assert (s.use_mla, s.num_kv_heads, s.head_dim, s.tp_size, s.num_layers) == (True, 1, LATENT, 2, 2)
@@ -104,7 +106,7 @@ def test_mla_registration_describes_one_replicated_latent_head() -> None:
 
 
 def test_mla_tp2_prefill_to_tp1_decode_reads_once_and_notifies_the_other_rank() -> None:
-    fill = torch.rand(LAYERS, NB, BLOCK, LATENT, generator=torch.Generator().manual_seed(3))
+    fill = torch.rand(LAYERS, NB, 1, BLOCK, LATENT, generator=torch.Generator().manual_seed(3))
     p, d = MlaEngine("P", PREFILL, 2, fill), MlaEngine("D", DECODE, 1, None)
     try:
         _, params = p.sched.state.finished("p-1", prefill_request_params(), completed=True,
