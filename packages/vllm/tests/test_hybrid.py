@@ -268,8 +268,9 @@ def _transfer(p: Engine, d: Engine, p_groups, d_groups, tokens: int, *, kill_pre
     if kill_prefill:
         p.close()
     st = d.sched.state
-    assert st.matched_tokens("d-req", params, tokens, 0) == (tokens, True)
-    st.after_alloc("d-req", params, tokens, d_groups, 0, tokens)
+    # every prompt token but the last, which the decode engine computes itself
+    assert st.matched_tokens("d-req", params, tokens, 0) == (tokens - 1, True)
+    st.after_alloc("d-req", params, tokens, d_groups, 0, tokens - 1)
     recved, failed = set(), set()
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline and "d-req" not in recved:
