@@ -2,7 +2,8 @@
 
 As vLLM's hybrid KV-cache manager allocates them, every region is one tensor of
 pages shared by one attention layer and one Mamba layer: a block id in the
-attention group's list holds that layer's K and V (blocks-first), a block id in
+attention group's list holds that layer's K and V (blocks-first ``[2, bytes]``, or one
+packed K+V element of every head as vLLM >= 0.32 shapes it, at page offset 0), a block id in
 the Mamba group's list holds the Mamba layer's conv state followed by its SSM
 state. Pages are as large as the larger of the two; the other is padded. The
 conv state is dimension-first (``[conv_dim, width]``: the x, B and C channels of
