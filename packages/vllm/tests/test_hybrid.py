@@ -116,10 +116,8 @@ def test_sliding_window_model_registers_every_group() -> None:
     assert [r.positions for r in reg.regions.regions] == [(0,), (1,), (2,), (3,)]
 
 
-@pytest.mark.xfail(strict=True, raises=CacheShapeError,
-                   reason="kvbridge.topology refuses packed attention pages shared with Mamba "
-                          "state (vLLM 0.32's layout); the engine branch lifts it")
-@pytest.mark.parametrize("family", [lambda: vs.granite(dim_first=True), vs.qwen3next])
+@pytest.mark.parametrize("family", [pytest.param(lambda: vs.granite(dim_first=True), id="granite"),
+                                    pytest.param(vs.qwen3next, id="qwen3next")])
 def test_mamba_hybrid_registers_state_and_attention(family) -> None:
     fam = family()
     reg = register_caches(fam.vllm_config, fam.kv_cache_config, fam.caches, CFG, engine_id="M",
