@@ -61,6 +61,17 @@ def test_groups_kvbridge_cannot_move_are_refused_by_name(spec, fragment: str) ->
         group_facts(cfg)
 
 
+def test_mla_group_is_a_full_attention_group() -> None:
+    """vLLM 0.32 puts an MLA model's layers in one group of ``MLAAttentionSpec``: its latent
+    blocks move like full attention (one group of every layer)."""
+    mla_spec = type("MLAAttentionSpec", (vs.FullAttentionSpec,), {})(16, num_kv_heads=1, head_size=576)
+    cfg = vs.KVCacheConfig(8, [vs.KVCacheGroupSpec(["model.layers.0.self_attn.attn",
+                                                    "model.layers.1.self_attn.attn"], mla_spec)])
+    (g,) = group_facts(cfg)
+    assert g.kind is GroupKind.FULL and g.block_size == 16 and g.sliding_window is None
+    assert g.layer_names == ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
+
+
 @pytest.mark.parametrize(("family", "dim_first", "layout"), [
     (lambda: vs.granite(), False, ConvLayout.TOKEN_FIRST),
     (lambda: vs.granite(dim_first=True), True, ConvLayout.DIM_FIRST),
