@@ -30,6 +30,7 @@ from kvbridge.handshake import (
     RequestRejected,
     UnknownRank,
     WrongEngine,
+    compat_fields,
     compatibility_hash,
     encode_metadata,
     fetch_metadata,
@@ -151,6 +152,26 @@ def test_incompatible_hash_names_what_to_check():
             fetch(server, [0])
         # the expert switch turns the check off
         assert fetch(server, [0], compat_hash=None)[0].rank == 0
+
+
+def test_incompatible_hash_with_both_sides_fields_names_each_difference():
+    """Given this side's fields too, the refusal names what differs with both values:
+    two FP8 formats stored alike as bytes must not pass as "the same dtype"."""
+    fields = dict(model="m", dtype="uint8", layout="kvbridge-planned", attention_backend="CPU")
+    theirs = compat_fields(cache_dtype="fp8_e4m3", **fields)
+    ours = compat_fields(cache_dtype="fp8_e5m2", **fields)
+    other = compatibility_hash(cache_dtype="fp8_e4m3", **fields)
+    with MetadataServer(engine_metadata(2), compat_hash=other, compat_info=theirs) as server:
+        with pytest.raises(IncompatiblePeer) as info:
+            fetch(server, [0], compat_hash=compatibility_hash(cache_dtype="fp8_e5m2", **fields),
+                  compat_info=ours)
+        msg = str(info.value)
+        assert "KV-cache dtype differs: peer 'fp8_e4m3', this side 'fp8_e5m2'" in msg, msg
+        assert "model" not in msg.split("incompatible:")[1].split(";")[0]  # equal fields unnamed
+    # a peer that serves no fields gets the old message
+    with MetadataServer(engine_metadata(2), compat_hash=other) as server:
+        with pytest.raises(IncompatiblePeer, match="compatibility hash"):
+            fetch(server, [0], compat_info=ours)
 
 
 def test_timeout_on_nonexistent_server_is_bounded():

@@ -185,3 +185,32 @@ def test_positions_and_group_regions():
     assert regs.group_regions([2]) == (0,)
     assert regs.group_regions([1, 3]) == (1, 2)
     assert regs.group_regions([7]) == ()
+
+
+def test_packed_hybrid_page_as_vllm_032_hands_it_to_granite():
+    """One buffer per (attention, Mamba) pair of layers: 65536-byte pages viewed by attention
+    as fp32 [blocks, 2 heads, 128 tokens, 64] (HND) and by Mamba as int8 [blocks, 1, 1, 19840]
+    (stride 65536), split here into the conv state (3 x 288 fp32) and the SSM state
+    (8 x 32 x 16 fp32)."""
+    m = MambaSpec(ssm_heads=8, ssm_head_dim=32, state_size=16, n_groups=1, conv_width=3,
+                  conv_dtype_size=4, ssm_dtype_size=4)
+    s = EngineSpec("g", 1, 2, 32, 2, 128, "fp32", layout="packed", mamba=m)
+    caches = []
+    for _ in range(2):
+        buf = torch.zeros(6 * 65536, dtype=torch.int8)
+        attn = buf.view(torch.float32).view(6, 2, 128, 64)
+        page = torch.as_strided(buf, (6, 1, 1, 19840), (65536, 19840, 19840, 1))
+        conv = page[:, 0, 0, :3456].view(torch.float32).view(6, 3, 288)
+        ssm = page[:, 0, 0, 3456:].view(torch.float32).view(6, 8, 32, 16)
+        caches += [attn, (conv, ssm)]
+    cr = regions_from_kv_caches(caches, s)
+    assert len(cr.regions) == 2 and cr.num_blocks == 6
+    for i, r in enumerate(cr.regions):
+        assert r.block_stride == r.element_bytes == 65536 and r.element_offsets == (0,)
+        assert r.roles == (((i, 2),),) and r.mamba_layers == (i,) and r.positions == (2 * i, 2 * i + 1)
+    # a Mamba view that does not start its page is refused
+    bad = list(caches)
+    conv, ssm = bad[1]
+    bad[1] = (conv.view(6, -1)[:, 1:], ssm)
+    with pytest.raises(MemoryLayoutError):
+        regions_from_kv_caches(bad, s)

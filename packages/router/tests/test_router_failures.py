@@ -124,8 +124,24 @@ def test_no_decode_instance_is_a_503(make_cluster):
     with c.client() as http:
         r = http.post("/v1/completions", json={"prompt": "q"})
         assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
+        assert "tried 1 of 1" in r.json()["error"]["message"]  # tried, though out of rotation
         wait_until(lambda: http.get("/health").status_code == 503, "router reports no decode")
         assert http.get("/v1/models").status_code == 503
+
+
+def test_decode_out_of_rotation_is_still_tried_when_no_other_is_left(make_cluster):
+    """A busy engine may miss its probes: with every decode instance out of rotation the
+    router still tries them before refusing, and an answer puts the instance back."""
+    c = make_cluster(1, 2)
+    c.decode[0].mode = c.decode[1].mode = "unhealthy"  # /health says 503, requests work
+    gauge = lambda i: c.metric("kvbridge_router_instance_healthy", role="decode",
+                               instance=c.upstream_urls[f"d{i}"])
+    wait_until(lambda: gauge(0) == 0 and gauge(1) == 0, "both decode instances taken out")
+    with c.client() as http:
+        assert http.get("/health").status_code == 503
+        assert text_of(http.post("/v1/completions", json={"prompt": "q"})).startswith("q|p0")
+    assert c.error_count("no_decode") == 0
+    assert sum(len(d.generation_requests()) for d in c.decode) == 1
 
 
 def test_decode_dying_mid_stream_ends_the_stream_with_an_error_event(make_cluster):

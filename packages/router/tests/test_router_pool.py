@@ -28,6 +28,26 @@ def test_choose_prefers_fewest_in_flight_and_skips_unhealthy_and_excluded():
     assert seen  # every change was reported
 
 
+def test_probes_take_an_instance_out_only_after_failures_in_a_row():
+    pool = Pool.of("decode", ["http://a:1", "http://b:1"], unhealthy_after=3)
+    a, b = pool.instances
+    assert not pool.mark_probe(a, False, "slow") and not pool.mark_probe(a, False, "slow")
+    assert a.healthy and a.failures == 2
+    assert not pool.mark_probe(a, True) and a.failures == 0  # an answer resets the count
+    for _ in range(2):
+        pool.mark_probe(a, False, "slow")
+    assert pool.mark_probe(a, False, "/health gave no answer") and not a.healthy
+    assert pool.describe_down() == "http://a:1: /health gave no answer"
+    pool.mark_failed(b, "refused")  # a request that cannot connect: out at once
+    assert not b.healthy and pool.choose() is None
+    # the last resort: instances out of rotation, least loaded first, still honouring exclude
+    with pool.using(a):
+        assert pool.choose(any_health=True) is b
+    assert pool.choose(exclude=[a, b], any_health=True) is None
+    assert pool.mark_ok(a) and a.healthy and a.failures == 0
+    assert pool.choose() is a
+
+
 def test_ties_go_round_robin():
     pool = Pool.of("decode", ["http://a:1", "http://b:1", "http://c:1"])
     picks = [pool.choose().url for _ in range(6)]

@@ -101,14 +101,6 @@ def test_element_layouts():
     assert element_kinds(spec(use_mla=True, num_kv_heads=1)) == (KIND_K,)
 
 
-def test_packed_refuses_mamba_with_its_own_message():
-    from kvbridge.topology import MambaSpec
-
-    m = MambaSpec(ssm_heads=8, ssm_head_dim=8, state_size=8, n_groups=1, conv_width=2)
-    with pytest.raises(TopologyError, match="not supported with the packed layout; use layout blocks-first"):
-        spec(layout="packed", mamba=m)
-
-
 def test_packed_pairs_only_with_packed():
     local = spec("local", tp=2, layout=Layout.PACKED)
     with pytest.raises(TopologyError, match="same vLLM-style packed cache"):

@@ -80,6 +80,11 @@ def test_mla_latent_cache() -> None:
     spec = engine_spec_for(facts, layers((10, 64, 576), dtype="bfloat16"))
     assert spec.use_mla and spec.layout is Layout.KV_FIRST and spec.head_dim == 576
     assert spec.is_replicated  # every rank holds the whole latent
+    # vLLM 0.32's CPU_MLA cache: [blocks, 1, tokens, latent] describes the same
+    four = engine_spec_for(facts, layers((10, 1, 64, 576), dtype="bfloat16"))
+    assert four == spec
+    with pytest.raises(CacheShapeError, match="MLA cache must be"):
+        engine_spec_for(facts, layers((10, 2, 64, 576)))
 
 
 def test_replicated_heads_when_tp_exceeds_kv_heads() -> None:

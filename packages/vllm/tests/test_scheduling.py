@@ -16,16 +16,26 @@ def _rp(blocks: tuple[tuple[int, ...], ...] = ((1,),), num_tokens: int | None = 
                             num_tokens=num_tokens, **wire)
 
 
-def test_vllm_032_convention_loads_the_whole_prompt() -> None:
+def test_the_prompt_but_its_last_token_is_loaded() -> None:
     rp = _rp(num_tokens=70)
-    assert tokens_to_load(rp, 70, 0) == 70
-    assert tokens_to_load(rp, 70, 64) == 6  # local prefix-cache hit
+    assert tokens_to_load(rp, 70, 0) == 69  # decode computes token 70 itself
+    assert tokens_to_load(rp, 70, 64) == 5  # local prefix-cache hit
     assert tokens_to_load(rp, 70, 70) == 0
+    assert tokens_to_load(_rp(num_tokens=1), 1, 0) == 0  # one-token prompt: nothing to read
+
+
+def test_a_local_prefix_of_all_but_the_last_token_is_a_full_hit() -> None:
+    # 129 = 4 blocks of 32 + 1: the prefix cache holds the first 128 tokens, the
+    # 129th is computed locally anyway, so nothing is read (and the prefill is released)
+    assert tokens_to_load(_rp(num_tokens=129), 129, 128) == 0
+    assert tokens_to_load(_rp(num_tokens=129), 129, 96) == 32
+    assert tokens_to_load(_rp(num_tokens=97), 97, 96) == 0
 
 
 def test_an_older_prefill_engine_that_left_the_last_token_out_is_followed() -> None:
     assert tokens_to_load(_rp(num_tokens=69), 70, 0) == 69
-    assert tokens_to_load(_rp(num_tokens=None), 70, 0) == 70  # unknown: the whole prompt
+    assert tokens_to_load(_rp(num_tokens=68), 70, 0) == 68
+    assert tokens_to_load(_rp(num_tokens=None), 70, 0) == 69  # unknown: all but the last token
     with pytest.raises(ValueError):
         tokens_to_load(_rp(), -1, 0)
 
@@ -35,7 +45,8 @@ def test_loaded_plus_computed_never_exceeds_prompt_or_prefill(n: int, c: int, p:
     k = tokens_to_load(_rp(num_tokens=p), n, c)
     assert k >= 0
     if k:
-        assert c + k == (n if p is None else min(n, p))
+        assert c + k == (max(n - 1, 0) if p is None else min(max(n - 1, 0), p))
+        assert c + k < n  # the last prompt token is never loaded
 
 
 def test_check_remote_blocks() -> None:

@@ -80,13 +80,13 @@ def test_prefill_does_not_hold_what_it_cannot_serve(why: str) -> None:
     assert p.take_orders().holds == ()
 
 
-def test_decode_matches_every_computed_prompt_token_and_orders_one_load() -> None:
+def test_decode_matches_the_prompt_but_its_last_token_and_orders_one_load() -> None:
     p, d = prefill(), decode()
     params = finish_prefill(p, prompt=40)
-    assert d.matched_tokens("d-1", params, 40, 0) == (40, True)
-    assert d.matched_tokens("d-1", params, 40, 16) == (24, True)  # a 16-token local prefix hit
+    assert d.matched_tokens("d-1", params, 40, 0) == (39, True)  # decode computes token 40
+    assert d.matched_tokens("d-1", params, 40, 16) == (23, True)  # a 16-token local prefix hit
     assert d.matched_tokens("d-1", params, 40, 40) == (0, False)
-    d.after_alloc("d-1", params, 40, [[5, 6]], computed_blocks=1, num_external_tokens=24)
+    d.after_alloc("d-1", params, 40, [[5, 6]], computed_blocks=1, num_external_tokens=23)
     assert params["do_remote_prefill"] is False and params[PROCESSED_KEY] is True
     (ld,) = d.take_orders().loads
     assert ld.request_id == "d-1" and ld.local_block_ids == (5, 6) and ld.computed_tokens == 16
@@ -107,6 +107,12 @@ def test_decode_loads_no_more_than_prefill_computed() -> None:
 def test_full_local_hit_and_abort_before_allocation_release_the_prefill_blocks() -> None:
     p, d = prefill(), decode()
     hit = finish_prefill(p, "p-1")
+    # 33 tokens, blocks of 16: a local prefix of 2 blocks covers all but the last token,
+    # which decode computes itself, so nothing is read (vLLM then allocates with 0 external
+    # tokens and after_alloc releases the prefill blocks)
+    short = finish_prefill(p, "p-0", prompt=33, blocks=(7, 3, 9))
+    assert d.matched_tokens("d-0", short, 33, 32) == (0, False)
+    assert d.matched_tokens("d-0", short, 33, 16) == (16, True)
     d.after_alloc("d-1", hit, 40, [], computed_blocks=3, num_external_tokens=0)
     aborted = finish_prefill(p, "p-2")
     assert d.finished("d-2", aborted, completed=False, block_ids=([],), num_computed_tokens=0,
@@ -213,12 +219,12 @@ def test_params_are_parsed_once_per_request(monkeypatch: pytest.MonkeyPatch) -> 
     params = finish_prefill(p, prompt=40)
     d.on_new_request("d-1", params, 40)
     for _ in range(3):
-        assert d.matched_tokens("d-1", params, 40, 0) == (40, True)
+        assert d.matched_tokens("d-1", params, 40, 0) == (39, True)
     d.after_alloc("d-1", params, 40, [[1, 2, 3]], 0, 40)
     (ld,) = d.take_orders().loads
     assert len(calls) == 1 and ld.source == decode_remote_prefill(params | {"do_remote_prefill": True})
     # a finished request's parse is forgotten: the same id with new params is parsed again
     d.finished("d-1", params, completed=True, block_ids=([1, 2, 3],), num_computed_tokens=41,
                num_prompt_tokens=40)
-    assert d.matched_tokens("d-1", finish_prefill(p, "p-2"), 40, 0) == (40, True)
+    assert d.matched_tokens("d-1", finish_prefill(p, "p-2"), 40, 0) == (39, True)
     assert len(calls) == 2

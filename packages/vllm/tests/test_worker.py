@@ -37,19 +37,24 @@ CFG = ConnectorConfig(ucx_threads=0, huge_pages=False, lease_seconds=30,
 PREFILL, DECODE = EngineRoles(producer=True, consumer=False), EngineRoles(producer=False, consumer=True)
 
 
-def _vllm_config() -> SimpleNamespace:
+def _vllm_config(cache_dtype: str = "auto") -> SimpleNamespace:
     mc = SimpleNamespace(use_mla=False, get_total_num_kv_heads=lambda: HEADS,
                          get_head_size=lambda: HEAD, get_vocab_size=lambda: 1024,
                          hf_config=SimpleNamespace(architectures=["LlamaForCausalLM"],
                                                    hidden_size=64, num_attention_heads=4))
     return SimpleNamespace(model_config=mc, parallel_config=SimpleNamespace(tensor_parallel_size=1),
-                           cache_config=SimpleNamespace(block_size=BLOCK))
+                           cache_config=SimpleNamespace(block_size=BLOCK, cache_dtype=cache_dtype))
 
 
-def _caches(seed: int | None) -> dict[str, torch.Tensor]:
-    """vLLM 0.32's per-layer cache: [blocks, heads, tokens, 2 * head] (K and V packed)."""
+def _caches(seed: int | None, fp8: bool = False) -> dict[str, torch.Tensor]:
+    """vLLM 0.32's per-layer cache: [blocks, heads, tokens, 2 * head] (K and V packed);
+    FP8 caches (any ``kv_cache_dtype=fp8*``) are uint8 tensors of that shape."""
     g = torch.Generator().manual_seed(seed or 0)
     shape = (NB, HEADS, BLOCK, 2 * HEAD)
+    if fp8:
+        return {f"model.layers.{i}.self_attn": (
+            torch.randint(0, 256, shape, generator=g, dtype=torch.uint8) if seed is not None
+            else torch.zeros(shape, dtype=torch.uint8)) for i in range(LAYERS)}
     return {f"model.layers.{i}.self_attn": (torch.rand(shape, generator=g) if seed is not None
                                             else torch.zeros(shape)) for i in range(LAYERS)}
 
@@ -64,20 +69,20 @@ class Engine:
     """One engine's two connector halves, wired as KVBridgeConnector wires them."""
 
     def __init__(self, engine_id: str, roles: EngineRoles, seed: int | None,
-                 cfg: ConnectorConfig = CFG) -> None:
-        self.caches = _caches(seed)
+                 cfg: ConnectorConfig = CFG, cache_dtype: str = "auto") -> None:
+        self.caches = _caches(seed, fp8=cache_dtype.startswith("fp8"))
         self.port = port = _free_port()
         self.sched = SchedulerSide(engine_id=engine_id, block_size=BLOCK, tp_size=1, config=cfg,
                                    port=port, roles=roles)
         self.worker = WorkerSide(0, roles)
-        reg = register_caches(_vllm_config(), SimpleNamespace(num_blocks=NB), self.caches, cfg,
+        reg = register_caches(_vllm_config(cache_dtype), SimpleNamespace(num_blocks=NB), self.caches, cfg,
                               engine_id=engine_id, attention_backend="test")
         self.layers = reg.layer_names
         self.worker.register(reg.spec, reg.regions, reg.engine_config, incarnation=f"{engine_id}-1",
                              address=(cfg.side_channel_host, port), layer_names=reg.layer_names)
         hs = self.worker.handshake()
         if hs is not None:
-            self.sched.serve({0: hs})
+            self.sched.serve({0: (*hs, self.worker.compat_info())})
 
     def step(self) -> TransferResults:
         self.worker.start(self.sched.state.take_orders())
@@ -114,7 +119,7 @@ def test_a_request_moves_from_the_prefill_worker_to_the_decode_worker(pair) -> N
                                           block_ids=([3, 5, 7, 11],), num_computed_tokens=40,
                                           num_prompt_tokens=40)
     assert held and params["remote_port"] == p.sched.port
-    assert d.sched.state.matched_tokens("d-1", params, 40, 0) == (40, True)
+    assert d.sched.state.matched_tokens("d-1", params, 40, 0) == (39, True)
     d.sched.state.after_alloc("d-1", params, 40, [[2, 9, 4]], 0, 40)
     sent, recved, failed = _run(p, d, lambda s, r, f: "p-1" in s and "d-1" in r)
     assert (sent, recved, failed) == ({"p-1"}, {"d-1"}, set())
@@ -160,7 +165,7 @@ def test_a_load_from_a_dead_prefill_engine_fails_with_its_blocks_invalid(pair) -
                             request_id="p-9", block_ids=((1, 2, 3),), token="t" * 32,
                             incarnation="x", num_tokens=40, block_size=BLOCK)
     params = encode_remote_prefill(dead)
-    assert d.sched.state.matched_tokens("d-9", params, 40, 0) == (40, True)
+    assert d.sched.state.matched_tokens("d-9", params, 40, 0) == (39, True)
     d.sched.state.after_alloc("d-9", params, 40, [[6, 8, 10]], 0, 40)
     failed: set[str] = set()
     deadline = time.monotonic() + 20
@@ -216,3 +221,61 @@ def test_the_scheduler_serves_ranks_that_agree_and_refuses_others(pair) -> None:
     assert p.sched.state.incarnation == "P-1"
     with pytest.raises(ValueError, match="disagree on the compatibility hash"):
         p.sched.serve({0: (compat, md), 1: ("another-model", md)})
+
+
+def _load_one(p: Engine, d: Engine) -> tuple[set, set, set]:
+    _, params = p.sched.state.finished("p-1", prefill_request_params(), completed=True,
+                                       block_ids=([3, 5, 7],), num_computed_tokens=40,
+                                       num_prompt_tokens=40)
+    d.sched.state.matched_tokens("d-1", params, 40, 0)
+    d.sched.state.after_alloc("d-1", params, 40, [[2, 9, 4]], 0, 39)
+    return _run(p, d, lambda s, r, f: "d-1" in r)
+
+
+@pytest.mark.parametrize("p_dtype, d_dtype", [("fp8", "fp8_e4m3"), ("fp8_e5m2", "fp8_e5m2")])
+def test_fp8_caches_move_byte_for_byte(p_dtype: str, d_dtype: str) -> None:
+    """kv_cache_dtype=fp8*: vLLM hands over uint8 tensors; the bytes move as they are ("fp8"
+    is vLLM's name for fp8_e4m3, so the two spellings pair)."""
+    p = Engine("P", PREFILL, seed=1, cache_dtype=p_dtype)
+    d = Engine("D", DECODE, seed=None, cache_dtype=d_dtype)
+    try:
+        assert p.worker.prefill.spec.dtype == "uint8"
+        assert p.worker.compat_info()["cache_dtype"] == ("fp8_e4m3" if p_dtype == "fp8" else p_dtype)
+        sent, recved, failed = _load_one(p, d)
+        assert (recved, failed) == ({"d-1"}, set())
+        for name, pc in p.caches.items():
+            assert torch.equal(d.caches[name][[2, 9, 4]], pc[[3, 5, 7]])
+        assert sum(d.worker.take_stats()["bytes_transferred"]) == 3 * LAYERS * HEADS * BLOCK * 2 * HEAD
+    finally:
+        d.close()
+        p.close()
+
+
+@pytest.mark.parametrize("p_dtype, d_dtype", [("fp8_e4m3", "fp8_e5m2"), ("fp8", "auto")])
+def test_a_kv_cache_dtype_mismatch_is_refused_naming_both(p_dtype: str, d_dtype: str,
+                                                          caplog: pytest.LogCaptureFixture) -> None:
+    """Two FP8 formats (stored alike as uint8) or FP8 against the model dtype: the handshake
+    refuses, the load fails with its blocks invalid, and the message names both dtypes."""
+    p = Engine("P", PREFILL, seed=1, cache_dtype=p_dtype)
+    d = Engine("D", DECODE, seed=None, cache_dtype=d_dtype)
+    try:
+        with caplog.at_level("WARNING", logger="kvbridge"):
+            _, recved, failed = _load_one(p, d)
+        assert recved == failed == {"d-1"}
+        assert d.worker.take_invalid_blocks() == {2, 9, 4}
+        assert not any(d.caches[n].any() for n in d.caches)
+        want = "fp8_e4m3" if p_dtype == "fp8" else p_dtype
+        other = "fp32" if d_dtype == "auto" else d_dtype
+        msg = next(r.getMessage() for r in caplog.records if "d-1" in r.getMessage())
+        assert f"KV-cache dtype differs: peer '{want}', this side '{other}'" in msg, msg
+    finally:
+        d.close()
+        p.close()
+
+
+def test_a_kv_cache_dtype_kvbridge_does_not_know_is_refused_at_registration() -> None:
+    with pytest.raises(ValueError, match="kv_cache_dtype 'nvfp4' is not supported"):
+        Engine("P", PREFILL, seed=1, cache_dtype="nvfp4")
+    with pytest.raises(ValueError, match="1-byte elements but the cache tensors hold fp32"):
+        register_caches(_vllm_config("fp8"), SimpleNamespace(num_blocks=NB), _caches(1), CFG,
+                        engine_id="P", attention_backend="test")

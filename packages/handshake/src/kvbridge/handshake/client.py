@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import msgspec
 import zmq
@@ -44,6 +44,7 @@ def fetch_metadata(
     context: zmq.Context | None = None,
     refused_grace: float = 1.0,
     auth_key: str | bytes | None = None,
+    compat_info: Mapping[str, str] | None = None,
 ) -> dict[int, AgentMetadata]:
     """Fetch and validate the metadata of ``ranks`` from the side channel at ``host:port``.
 
@@ -66,6 +67,9 @@ def fetch_metadata(
 
     ``compat_hash=None`` turns the compatibility check off (expert option: the
     caller then vouches that model, dtypes, layout and backend match).
+    ``compat_info`` (this side's :func:`~kvbridge.handshake.compat_fields`) names, in
+    the refusal of a peer with another hash that serves its fields too, each field
+    that differs with both values.
 
     With ``auth_key`` (the same secret as the server's) every attempt is signed
     with a fresh nonce and the send time, and a reply counts only if it is
@@ -89,7 +93,7 @@ def fetch_metadata(
     finally:
         if own_ctx:
             ctx.term()
-    return _validate(reply, endpoint, want, engine_id, compat_hash, request, key)
+    return _validate(reply, endpoint, want, engine_id, compat_hash, request, key, compat_info)
 
 
 def request_reply(host: str, port: int, make_request, *, timeout: float, retries: int,
@@ -239,9 +243,24 @@ def _request(ctx: zmq.Context, endpoint: str, make_request, timeout: float, retr
     )
 
 
+_COMPAT_NAMES = {"cache_dtype": "KV-cache dtype", "dtype": "cache element dtype",
+                 "attention_backend": "attention backend", "protocol_version": "protocol version"}
+
+
+def _compat_differences(peer: Mapping[str, str], ours: Mapping[str, str] | None) -> str:
+    """The compatibility fields that differ, with both values ("" when unknown)."""
+    if not peer or not ours:
+        return ""
+    keys = sorted(set(peer) | set(ours), key=lambda k: (k != "cache_dtype", k))
+    return "; ".join(f"{_COMPAT_NAMES.get(k, k)} differs: peer {peer.get(k, '(none)')!r}, "
+                     f"this side {ours.get(k, '(none)')!r}"
+                     for k in keys if peer.get(k) != ours.get(k))
+
+
 def _validate(frames: list[bytes], endpoint: str, want: list[int], engine_id: str | None,
               compat_hash: str | None, request: wire.MetadataRequest,
-              key: bytes | None) -> dict[int, AgentMetadata]:
+              key: bytes | None, compat_info: Mapping[str, str] | None = None
+              ) -> dict[int, AgentMetadata]:
     nonce = request.nonce
     if len(frames) != 1:
         raise MalformedReply(f"reply from {endpoint} has {len(frames)} frames, expected 1; the "
@@ -271,6 +290,12 @@ def _validate(frames: list[bytes], endpoint: str, want: list[int], engine_id: st
     if msg.nonce != nonce:
         raise MalformedReply(f"reply from {endpoint} answers another request (nonce mismatch)")
     if compat_hash is not None and msg.compat_hash != compat_hash:
+        differ = _compat_differences(msg.compat_info, compat_info)
+        if differ:
+            raise IncompatiblePeer(
+                f"peer {endpoint} (engine {msg.engine_id!r}) is incompatible: {differ}; run "
+                "both engines with the same model, dtype, KV-cache dtype, attention backend and "
+                "kvbridge version")
         info = ", ".join(f"{k}={v}" for k, v in sorted(msg.compat_info.items()))
         raise IncompatiblePeer(
             f"peer {endpoint} (engine {msg.engine_id!r}) has compatibility hash "

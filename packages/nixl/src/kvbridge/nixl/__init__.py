@@ -24,6 +24,7 @@ from .config import (
     TransferRecord,
     all_cpus,
     engine_compat_hash,
+    engine_compat_info,
 )
 from .decode import DecodeEngine
 from .ledger import DecodeTracker, Failed, FailureKind, PrefillLedger, Released
@@ -42,6 +43,6 @@ __all__ = [
     "AgentConfig", "DecodeEngine", "DecodeEvents", "DecodeTracker", "EngineConfig",
     "Failed", "FailureKind", "HandshakeFailed", "Kind", "NixlAgent", "NixlError", "Notification",
     "PrefillEngine", "PrefillLedger", "PreparedList", "Released", "Stats", "Telemetry",
-    "Transfer", "TransferParams", "TransferRecord", "encode_notification", "engine_compat_hash", "new_token", "notification_key",
+    "Transfer", "TransferParams", "TransferRecord", "encode_notification", "engine_compat_hash", "engine_compat_info", "new_token", "notification_key",
     "parse_notification", "all_cpus",
 ]

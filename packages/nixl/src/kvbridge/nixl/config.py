@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field, replace
 
-from kvbridge.handshake import HandshakeError, compatibility_hash, normalize_key
-from kvbridge.topology import EngineSpec
+from kvbridge.handshake import HandshakeError, compat_fields, compatibility_hash, normalize_key
+from kvbridge.topology import EngineSpec, TopologyError, canonical_dtype
 
 from .agent import AgentConfig
 from .ledger import Failed
@@ -43,6 +43,11 @@ class EngineConfig:
     attention_backend: str = "kvbridge"
     #: refuse peers whose compatibility hash differs (turn off only when you vouch for the pair)
     enforce_compat: bool = True
+    #: the KV-cache dtype the engine was configured with, when the cache tensors' element
+    #: type does not say it (vLLM stores FP8 caches as uint8 whatever the FP8 format); any
+    #: spelling of kvbridge.topology's dtype table. None: the tensors' dtype. Peers must agree
+    #: on it (it is hashed for the handshake)
+    kv_cache_dtype: str | None = None
     #: how often the engine's worker lets NIXL progress while idle (seconds; 0: only in
     #: poll() and while transfers run). Without it, and without NIXL's progress thread
     #: (``AgentConfig.progress_thread``), a peer's connection set-up waits for this
@@ -78,6 +83,11 @@ class EngineConfig:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive seconds")
         normalize_key(self.auth_key)  # raises ValueError with advice
+        if self.kv_cache_dtype is not None:
+            try:
+                object.__setattr__(self, "kv_cache_dtype", canonical_dtype(self.kv_cache_dtype))
+            except TopologyError as exc:
+                raise ValueError(f"kv_cache_dtype: {exc}") from None
         if self.worker_cpus is not None and (not self.worker_cpus or any(
                 isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in self.worker_cpus)):
             raise ValueError(f"worker_cpus must be None or a non-empty tuple of CPU numbers, got "
@@ -148,14 +158,26 @@ class HandshakeFailed(HandshakeError):
     """The peer's metadata does not describe what the request said (TP size, incarnation)."""
 
 
+def _compat_inputs(spec: EngineSpec, config: EngineConfig) -> dict[str, str]:
+    return dict(model=config.model, dtype=spec.dtype, cache_dtype=config.kv_cache_dtype or spec.dtype,
+                layout="kvbridge-planned", attention_backend=config.attention_backend)
+
+
 def engine_compat_hash(spec: EngineSpec, config: EngineConfig) -> str:
     """The handshake compatibility hash of an engine.
 
     Cache layouts are not hashed: kvbridge plans transfers between different
-    layouts and the topology planner refuses pairs it cannot serve.
+    layouts and the topology planner refuses pairs it cannot serve. The KV-cache
+    dtype is the configured one (``EngineConfig.kv_cache_dtype``), so two FP8
+    formats stored alike as bytes still differ.
     """
-    return compatibility_hash(model=config.model, dtype=spec.dtype, cache_dtype=spec.dtype,
-                              layout="kvbridge-planned", attention_backend=config.attention_backend)
+    return compatibility_hash(**_compat_inputs(spec, config))
+
+
+def engine_compat_info(spec: EngineSpec, config: EngineConfig) -> dict[str, str]:
+    """The inputs of :func:`engine_compat_hash`, served beside it so that a refused peer
+    is told which of them differ."""
+    return compat_fields(**_compat_inputs(spec, config))
 
 
 def provisional_spec(spec: EngineSpec, engine_id: str, tp_size: int) -> EngineSpec:

@@ -44,6 +44,7 @@ from .config import (
     HandshakeFailed,
     TransferRecord,
     engine_compat_hash,
+    engine_compat_info,
     provisional_spec,
 )
 from .groups import engine_groups, split_block_ids
@@ -101,6 +102,7 @@ class RankEngine:
         self.config = config or EngineConfig()
         self.incarnation = incarnation or new_incarnation()
         self.compat_hash = engine_compat_hash(spec, self.config)
+        self.compat_info = engine_compat_info(spec, self.config)
         #: the normalized shared secret, and the subkey that signs notifications (None: no auth)
         self._auth_key = normalize_key(self.config.auth_key)
         self.notif_key = None if self._auth_key is None else notification_key(self._auth_key)
@@ -165,7 +167,8 @@ class RankEngine:
         """Publish this rank's metadata on ``server`` (shared by an engine's local ranks) or a new one."""
         if server is None:
             server = MetadataServer({self.rank: self.metadata()}, compat_hash=self.compat_hash,
-                                    host=host, port=port, auth_key=self._auth_key)
+                                    host=host, port=port, auth_key=self._auth_key,
+                                    compat_info=self.compat_info)
             self._own_server = True
         else:
             if server.compat_hash != self.compat_hash:
@@ -226,7 +229,7 @@ class RankEngine:
         ranks, _ = self._peer_ranks(guess)
         infos = fetch_metadata(peer.host, peer.port, ranks, engine_id=peer.engine_id,
                                compat_hash=self.compat_hash if self.config.enforce_compat else None,
-                               timeout=timeout / 2, retries=1, context=self._zmq,
+                               compat_info=self.compat_info, timeout=timeout / 2, retries=1, context=self._zmq,
                                auth_key=self._auth_key)
         first = infos[ranks[0]]
         if first.tp_size != peer.tp_size:

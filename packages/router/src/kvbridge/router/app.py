@@ -144,8 +144,10 @@ class Router:
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
         self.metrics = RouterMetrics()
-        self.prefill = Pool.of("prefill", config.prefill, self.metrics.instance_changed)
-        self.decode = Pool.of("decode", config.decode, self.metrics.instance_changed)
+        self.prefill = Pool.of("prefill", config.prefill, self.metrics.instance_changed,
+                               unhealthy_after=config.unhealthy_after)
+        self.decode = Pool.of("decode", config.decode, self.metrics.instance_changed,
+                              unhealthy_after=config.unhealthy_after)
         self._client: httpx.AsyncClient | None = None
         self._proxy: Proxy | None = None
         self.app = Starlette(

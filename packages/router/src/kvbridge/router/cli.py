@@ -38,6 +38,9 @@ def build_parser(prog: str = "kvbridge router") -> argparse.ArgumentParser:
                    metavar="S", help="seconds between health-probe rounds (default 2)")
     p.add_argument("--health-timeout", type=float, default=None, dest="health_timeout_s",
                    metavar="S", help="seconds one /health probe may take (default 2)")
+    p.add_argument("--unhealthy-after", type=int, default=None, dest="unhealthy_after",
+                   metavar="N", help="failed /health probes in a row that take an instance out of "
+                   "rotation (default 3; a request that cannot connect takes it out at once)")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--check", action="store_true",
@@ -48,7 +51,7 @@ def build_parser(prog: str = "kvbridge router") -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
     overrides = {k: getattr(args, k) for k in (
         "host", "port", "connect_timeout_s", "prefill_timeout_s", "decode_timeout_s",
-        "health_interval_s", "health_timeout_s")}
+        "health_interval_s", "health_timeout_s", "unhealthy_after")}
     if args.prefill is not None:
         overrides["prefill"] = tuple(args.prefill)
     if args.decode is not None:

@@ -27,7 +27,9 @@ class RouterConfig:
     upstream call: ``prefill_timeout_s`` the whole prefill request,
     ``decode_timeout_s`` the whole decode request (streams included),
     ``connect_timeout_s`` opening a connection, ``health_timeout_s`` one health
-    probe. ``health_interval_s`` is the pause between probe rounds.
+    probe. ``health_interval_s`` is the pause between probe rounds;
+    ``unhealthy_after`` failed probes in a row take an instance out of rotation
+    (a request that cannot connect takes it out at once).
     """
 
     prefill: tuple[str, ...]
@@ -39,6 +41,7 @@ class RouterConfig:
     decode_timeout_s: float = 600.0
     health_interval_s: float = 2.0
     health_timeout_s: float = 2.0
+    unhealthy_after: int = 3
     max_connections: int = 1024
     max_body_bytes: int = 16 * 1024 * 1024
 
@@ -62,7 +65,7 @@ class RouterConfig:
             v = getattr(self, f)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
                 raise ConfigError(f"{f} must be a positive number of seconds, got {v!r}")
-        for f in ("max_connections", "max_body_bytes"):
+        for f in ("max_connections", "max_body_bytes", "unhealthy_after"):
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ConfigError(f"{f} must be a positive integer, got {v!r}")

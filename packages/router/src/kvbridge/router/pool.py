@@ -35,16 +35,23 @@ class Pool:
     flight, skipping ``exclude``; ties go round-robin so that equal instances
     share the load. ``on_change`` is called with an instance whenever its
     in-flight count or health changes (the metrics follow it).
+
+    A request that cannot connect takes its instance out at once; health
+    probes take it out only after ``unhealthy_after`` failures in a row (one
+    slow answer from a busy engine is no proof that it is gone). Any answer,
+    probe or request, puts it back.
     """
 
     role: str
     instances: list[Instance]
     on_change: Callable[[Instance], None] = lambda _i: None
+    unhealthy_after: int = 1
     _turn: int = field(default=0, repr=False)
 
     @classmethod
-    def of(cls, role: str, urls: Iterable[str], on_change: Callable[[Instance], None] | None = None) -> Pool:
-        pool = cls(role, [Instance(u, role) for u in urls])
+    def of(cls, role: str, urls: Iterable[str], on_change: Callable[[Instance], None] | None = None,
+           *, unhealthy_after: int = 1) -> Pool:
+        pool = cls(role, [Instance(u, role) for u in urls], unhealthy_after=unhealthy_after)
         if on_change is not None:
             pool.on_change = on_change
         for inst in pool.instances:
@@ -57,14 +64,18 @@ class Pool:
     def healthy(self) -> list[Instance]:
         return [i for i in self.instances if i.healthy]
 
-    def choose(self, exclude: Iterable[Instance] = ()) -> Instance | None:
-        """The least-loaded healthy instance not in ``exclude``; None when there is none."""
+    def choose(self, exclude: Iterable[Instance] = (), *, any_health: bool = False) -> Instance | None:
+        """The least-loaded healthy instance not in ``exclude``; None when there is none.
+
+        With ``any_health`` an instance that is out of rotation may be chosen
+        too (a last resort when no healthy one is left: it may have recovered
+        since its last probe)."""
         skip = {id(i) for i in exclude}
         n = len(self.instances)
         best: Instance | None = None
         for k in range(n):
             inst = self.instances[(self._turn + k) % n]
-            if not inst.healthy or id(inst) in skip:
+            if not (inst.healthy or any_health) or id(inst) in skip:
                 continue
             if best is None or inst.in_flight < best.in_flight:
                 best = inst
@@ -92,15 +103,29 @@ class Pool:
             inst.healthy = False
             self.on_change(inst)
 
+    def mark_ok(self, inst: Instance) -> bool:
+        """``inst`` answered a request: back in rotation. True when its health changed."""
+        return self.mark_probe(inst, True)
+
     def mark_probe(self, inst: Instance, ok: bool, why: str = "") -> bool:
-        """Record a health probe; returns True when the instance's health changed."""
-        changed = inst.healthy != ok
-        inst.healthy = ok
+        """Record a health probe; returns True when the instance's health changed.
+
+        A failed probe takes the instance out only once ``unhealthy_after``
+        probes or requests in a row have failed."""
         if ok:
             inst.failures = 0
+            healthy = True
         else:
             inst.failures += 1
             inst.last_error = why
+            healthy = inst.healthy and inst.failures < self.unhealthy_after
+        changed = inst.healthy != healthy
+        inst.healthy = healthy
         if changed:
             self.on_change(inst)
         return changed
+
+    def describe_down(self) -> str:
+        """Why the instances out of rotation are out (for error messages)."""
+        return "; ".join(f"{i.url}: {i.last_error or 'out of rotation'}"
+                         for i in self.instances if not i.healthy)

@@ -184,6 +184,8 @@ class Proxy:
                         inst.url, why)
             return None
         self.metrics.prefill_seconds.labels(instance=inst.url).observe(time.monotonic() - t0)
+        if self.prefill.mark_ok(inst):
+            log.info("prefill instance %s answered a request: back in rotation", inst.url)
         return params
 
     # ------------------------------------------------------------------ decode
@@ -193,11 +195,15 @@ class Proxy:
         body = decode_body(req, params)
         tried: list[Instance] = []
         while True:
-            inst = self.decode.choose(exclude=tried)
+            # out-of-rotation instances last: a probe may have missed a busy but live engine
+            inst = self.decode.choose(exclude=tried) or self.decode.choose(exclude=tried,
+                                                                          any_health=True)
             if inst is None:
                 self.metrics.error("no_decode")
+                down = self.decode.describe_down()
                 raise RouterError(503, f"no decode instance is available (tried {len(tried)} of "
-                                  f"{len(self.decode)}); retry later", "service_unavailable")
+                                  f"{len(self.decode)}{': ' + down if down else ''}); retry later",
+                                  "service_unavailable")
             tried.append(inst)
             if await self._decode_once(inst, req, body, request_id, auth, send):
                 return
@@ -270,6 +276,8 @@ class Proxy:
                     "upstream_error"))
                 return True
         metrics.decode_seconds.labels(instance=inst.url).observe(time.monotonic() - t0)
+        if self.decode.mark_ok(inst):
+            log.info("decode instance %s answered a request: back in rotation", inst.url)
         return True
 
     @staticmethod

@@ -175,7 +175,9 @@ def _check_head_order(local: EngineSpec, remote: EngineSpec, plan: RankPlan) -> 
     split = plan.splits_local or plan.splits_remote()
     if split and remote.head_order is not HeadOrder.HND:
         fix = (
-            "set both engines' KV cache layout to HND (packed caches need the same head order)"
+            "set both engines' KV cache layout to HND (vLLM's LBHNC layout for packed caches: "
+            "[blocks, heads, tokens, 2*head_dim]); an NHD packed cache interleaves the heads of "
+            "every token, so it cannot be split by head"
             if remote.is_packed else "set its KV cache layout to HND"
         )
         raise TopologyError(

@@ -45,7 +45,7 @@ def add_shape_arguments(parser: argparse.ArgumentParser, *, defaults: dict | Non
     parser.add_argument("--layout", choices=[x.value for x in Layout], default=None,
                         help="cache layout of both engines: kv-first, blocks-first, or packed (K and V "
                         "of each head together, vLLM >= 0.32) (default kv-first"
-                        + ("; blocks-first with --mamba)" if mamba else ")"))
+                        + ("; blocks-first with --mamba, which takes blocks-first or packed)" if mamba else ")"))
     parser.add_argument("--head-order", choices=[x.value for x in HeadOrder], default="HND",
                         help="order inside a K/V element on both engines (default HND)")
     parser.add_argument("--mla", action="store_true", help="MLA latent cache (one replicated latent)")

@@ -128,11 +128,6 @@ class EngineSpec:
                     f"engine {self.engine_id!r}: MLA caches hold one latent per block, not K and V, "
                     "so they cannot use the packed layout; use layout kv-first"
                 )
-            if self.mamba is not None:
-                raise TopologyError(
-                    f"engine {self.engine_id!r}: hybrid Mamba models are not supported with the "
-                    "packed layout; use layout blocks-first"
-                )
             if self.cross_layer:
                 raise TopologyError(
                     f"engine {self.engine_id!r}: a cross-layer cache with the packed layout is not "
@@ -140,10 +135,10 @@ class EngineSpec:
                 )
         if self.use_mla and self.layout is Layout.BLOCKS_FIRST:
             raise TopologyError("MLA caches hold one latent per block; use layout kv-first")
-        if self.mamba is not None and self.layout is not Layout.BLOCKS_FIRST:
+        if self.mamba is not None and self.layout not in (Layout.BLOCKS_FIRST, Layout.PACKED):
             raise TopologyError(
-                "hybrid Mamba models share cache tensors with attention in the blocks-first "
-                "layout; set layout to blocks-first"
+                "hybrid Mamba models share cache pages with attention in the blocks-first or "
+                "packed layout; set layout to blocks-first or packed"
             )
         if self.block_bytes is not None and (
             not isinstance(self.block_bytes, int) or self.block_bytes <= 0

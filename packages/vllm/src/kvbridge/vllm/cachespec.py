@@ -13,7 +13,8 @@ size, ``L`` MLA latent size):
 * ``[2, B, ...]`` with ``[N, H, D]`` or ``[H, N, D]`` blocks — older vLLM
   FlashAttention-style caches (layout ``kv-first``);
 * ``[B, 2, ...]`` — FlashInfer-style caches (layout ``blocks-first``);
-* ``[B, N, L]`` — MLA latent caches (``kv-first``, MLA).
+* ``[B, N, L]`` — MLA latent caches (``kv-first``, MLA); vLLM 0.32 (CPU_MLA)
+  allocates them with a head dimension of 1: ``[B, 1, N, L]``.
 
 Anything else is refused with a message naming the shape.
 """
@@ -106,8 +107,11 @@ def _describe(t: LayerTensor, facts: ModelFacts, h: int) -> tuple[Layout, HeadOr
     if len(stride) != len(shape):
         raise CacheShapeError(f"{where}: {len(stride)} strides for {len(shape)} dimensions")
     if facts.use_mla:
+        if len(shape) == 4 and shape[1] == 1:  # vLLM 0.32: [blocks, 1, tokens, latent]
+            return Layout.KV_FIRST, HeadOrder.HND, shape[0], shape[3]
         if len(shape) != 3:
-            raise CacheShapeError(f"{where}: an MLA cache must be [blocks, tokens, latent]")
+            raise CacheShapeError(f"{where}: an MLA cache must be [blocks, tokens, latent] or "
+                                  "[blocks, 1, tokens, latent]")
         return Layout.KV_FIRST, HeadOrder.HND, shape[0], shape[2]
     if len(shape) == 4:
         b, heads, tokens, content = shape

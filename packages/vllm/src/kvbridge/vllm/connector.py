@@ -76,6 +76,8 @@ class KVBridgeHandshake(KVConnectorHandshakeMetadata):
     rank: int
     compat_hash: str
     metadata: bytes  # kvbridge.handshake.encode_metadata(AgentMetadata)
+    #: the hash's fields, so that a refused decode engine is told which differ
+    compat_info: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -345,7 +347,7 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
             if not isinstance(m, KVBridgeHandshake):
                 raise ValueError(f"rank {rank} published {type(m).__name__}, not KVBridgeHandshake: "
                                  "every worker must run KVBridgeConnector")
-            payloads[rank] = (m.compat_hash, m.metadata)
+            payloads[rank] = (m.compat_hash, m.metadata, m.compat_info)
         self._s().serve(payloads)
 
     # ----- worker side -----------------------------------------------------
@@ -379,7 +381,7 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         hs = self._w().handshake()
         if hs is None:
             return None
-        return KVBridgeHandshake(self._w().rank, *hs)
+        return KVBridgeHandshake(self._w().rank, *hs, compat_info=self._w().compat_info())
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         """Worker, every step with this step's metadata bound (vLLM 0.32: after the

@@ -40,8 +40,8 @@ __all__ = [
 ]
 
 #: vLLM spec class name -> kvbridge group kind
-_KINDS = {"FullAttentionSpec": GroupKind.FULL, "SlidingWindowSpec": GroupKind.SLIDING,
-          "MambaSpec": GroupKind.MAMBA}
+_KINDS = {"FullAttentionSpec": GroupKind.FULL, "MLAAttentionSpec": GroupKind.FULL,
+          "SlidingWindowSpec": GroupKind.SLIDING, "MambaSpec": GroupKind.MAMBA}
 #: vLLM Mamba backends whose state kvbridge describes (name of MambaAttentionBackendEnum)
 MAMBA_TYPES = ("MAMBA2", "GDN_ATTN")
 

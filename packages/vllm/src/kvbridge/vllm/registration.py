@@ -19,7 +19,14 @@ from typing import TYPE_CHECKING, Any
 
 from kvbridge.memory import CacheRegions, regions_from_kv_caches
 from kvbridge.nixl import AgentConfig, EngineConfig, all_cpus
-from kvbridge.topology import EngineSpec, GroupKind, MambaSpec, TopologyError
+from kvbridge.topology import (
+    EngineSpec,
+    GroupKind,
+    MambaSpec,
+    TopologyError,
+    canonical_dtype,
+    dtype_size,
+)
 from kvbridge.vllm.cachespec import (
     CacheShapeError,
     LayerTensor,
@@ -42,7 +49,7 @@ from kvbridge.vllm.groups import (
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Registration", "engine_config", "model_facts", "register_caches"]
+__all__ = ["Registration", "configured_cache_dtype", "engine_config", "model_facts", "register_caches"]
 
 
 @dataclass(frozen=True)
@@ -74,8 +81,27 @@ def model_facts(vllm_config: Any, kv_cache_config: Any, engine_id: str,
     )
 
 
+def configured_cache_dtype(cache_config: Any, tensor_dtype: str) -> str | None:
+    """vLLM's ``kv_cache_dtype`` as kvbridge names it, None for ``auto`` (the tensors'
+    dtype says it). vLLM keeps FP8 caches in uint8 tensors whatever the FP8 format, so
+    the configured name is what tells two formats apart in the handshake."""
+    name = str(getattr(cache_config, "cache_dtype", None) or "auto")
+    if name == "auto":
+        return None
+    try:
+        dtype = canonical_dtype(name)
+    except TopologyError:
+        raise CacheShapeError(f"kv_cache_dtype {name!r} is not supported by kvbridge; use auto, "
+                              "float16, bfloat16, fp8, fp8_e4m3 or fp8_e5m2") from None
+    if dtype_size(dtype) != dtype_size(tensor_dtype):
+        raise CacheShapeError(f"kv_cache_dtype {name!r} has {dtype_size(dtype)}-byte elements but "
+                              f"the cache tensors hold {tensor_dtype} ({dtype_size(tensor_dtype)} bytes)")
+    return dtype
+
+
 def engine_config(cfg: ConnectorConfig, *, mem_type: str, model: str,
-                  attention_backend: str, null_block_id: int | None = 0) -> EngineConfig:
+                  attention_backend: str, null_block_id: int | None = 0,
+                  kv_cache_dtype: str | None = None) -> EngineConfig:
     """The transfer engines' settings from the connector's."""
     return EngineConfig(
         agent=AgentConfig(backends=cfg.backends, num_threads=cfg.ucx_threads,
@@ -89,6 +115,7 @@ def engine_config(cfg: ConnectorConfig, *, mem_type: str, model: str,
                      None if cfg.transfer_cpus == "inherit" else tuple(cfg.transfer_cpus)),
         complete_in_background_s=0.5 if cfg.complete_in_background else 0.0,
         null_block_id=null_block_id,  # vLLM's null block: ids outside a sliding window
+        kv_cache_dtype=kv_cache_dtype,
     )
 
 
@@ -150,7 +177,9 @@ def register_caches(vllm_config: Any, kv_cache_config: Any, kv_caches: Mapping[s
         num_layers=len(names), num_heads=getattr(hf, "num_attention_heads", 0),
         num_kv_heads=facts.num_kv_heads, head_dim=facts.head_dim,
         vocab_size=mc.get_vocab_size())
+    kv_dtype = configured_cache_dtype(vllm_config.cache_config, spec.dtype)
     return Registration(spec, regions, engine_config(cfg, mem_type=regions.mem_type,
                                                      model=identity,
-                                                     attention_backend=attention_backend),
+                                                     attention_backend=attention_backend,
+                                                     kv_cache_dtype=kv_dtype),
                         tuple(names), groups)

@@ -59,26 +59,28 @@ class SchedulerSide:
                                   address=(self.host, port), layerwise=config.push_layerwise,
                                   wait_s=config.transfer_timeout_seconds, send_offer=send)
 
-    def serve(self, payloads: Mapping[int, tuple[str, bytes]]) -> None:
+    def serve(self, payloads: Mapping[int, tuple]) -> None:
         """Serve every rank's metadata on the side channel (prefill side, pull mode).
 
         ``payloads`` maps each rank to its (compatibility hash, encoded metadata),
-        as :meth:`kvbridge.vllm.worker.WorkerSide.handshake` returns them. The ranks
-        must agree on the hash and the incarnation; a second call replaces the
-        metadata of the ranks it names.
+        as :meth:`kvbridge.vllm.worker.WorkerSide.handshake` returns them, optionally
+        followed by the hash's fields (:meth:`~kvbridge.vllm.worker.WorkerSide.compat_info`),
+        which a refused peer is shown. The ranks must agree on the hash and the
+        incarnation; a second call replaces the metadata of the ranks it names.
         """
         if not payloads:
             return
-        hashes = {h for h, _ in payloads.values()}
+        hashes = {p[0] for p in payloads.values()}
         if len(hashes) != 1:
             raise ValueError(f"the ranks of engine {self.engine_id!r} disagree on the "
                              f"compatibility hash ({sorted(hashes)}); they must run the same model")
-        encoded = {rank: md for rank, (_, md) in payloads.items()}
+        encoded = {rank: p[1] for rank, p in payloads.items()}
+        info = next((dict(p[2]) for p in payloads.values() if len(p) > 2 and p[2]), None)
         # the server decodes and checks each rank's bytes once, refuses ranks of another
         # incarnation, and serves the bytes as they are
         if self.server is None:
             self.server = MetadataServer(encoded, compat_hash=hashes.pop(), host=self.host,
-                                         port=self.port, auth_key=self._auth_key,
+                                         port=self.port, auth_key=self._auth_key, compat_info=info,
                                          on_offer=None if self.push is None else self.push.on_offer)
         else:
             for rank, md in encoded.items():

@@ -2,11 +2,14 @@
 
 vLLM asks the connector how many prompt tokens beyond the locally computed
 ones it can load (``get_num_new_matched_tokens``). For a decode request whose
-KV comes from a prefill engine the answer covers every prompt token the
-prefill engine computed: vLLM >= 0.32's scheduler itself recomputes the last
-prompt token when the load covered the whole prompt (it needs that token's
-logits to sample); a prefill engine of an older vLLM leaves that token out and
-says so in ``remote_num_tokens``.
+KV comes from a prefill engine the answer covers every prompt token but the
+last: the decode engine computes the last prompt token itself in any case (it
+needs that token's logits to sample; vLLM >= 0.32 recomputes it even when a
+load covered it), so reading its KV would be wasted. That makes a full
+prefix-cache hit possible: when the decode engine's cache already holds the
+first ``n - 1`` tokens of an ``n``-token prompt, nothing is loaded and the
+prefill engine's blocks are released at once. A prefill engine of an older
+vLLM that computed fewer tokens says so in ``remote_num_tokens``.
 """
 
 from __future__ import annotations
@@ -21,11 +24,14 @@ __all__ = ["check_remote_blocks", "check_remote_groups", "check_remote_paralleli
 
 def tokens_to_load(rp: RemotePrefill, num_prompt_tokens: int, num_computed_tokens: int) -> int:
     """Prompt tokens to load from ``rp``'s prefill engine beyond the ``num_computed_tokens``
-    already present locally: the prompt, or the tokens the prefill engine computed
-    when it says it computed fewer."""
+    already present locally: the prompt but its last token (which the decode engine
+    computes itself), or fewer when the prefill engine says it computed fewer. 0 when
+    the local prefix covers that much (a full prefix-cache hit)."""
     if num_prompt_tokens < 0 or num_computed_tokens < 0:
         raise ValueError(f"token counts must be >= 0, got {num_prompt_tokens}, {num_computed_tokens}")
-    target = num_prompt_tokens if rp.num_tokens is None else min(rp.num_tokens, num_prompt_tokens)
+    target = max(num_prompt_tokens - 1, 0)
+    if rp.num_tokens is not None:
+        target = min(rp.num_tokens, target)
     return max(target - num_computed_tokens, 0)
 
 

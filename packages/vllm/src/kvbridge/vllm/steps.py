@@ -212,7 +212,12 @@ class SchedulerState:
         if rp is None:
             return
         if num_external_tokens <= 0:
-            self._releases.append(rp)  # everything is local already: just free the prefill blocks
+            # everything decode needs is local already (a full prefix-cache hit): free the
+            # prefill blocks at once (notify-only), never leave them to the lease
+            log.debug("request %s: every block it needs is in the local prefix cache; releasing "
+                      "request %s of engine %s without reading", request_id,
+                      rp.transfer.request_id, rp.transfer.engine_id)
+            self._releases.append(rp)
             return
         ids = transfer_block_ids([[int(b) for b in g] for g in unhashed_block_ids])
         self._loads.append(LoadOrder(request_id, rp, ids, computed_blocks * self.block_size))

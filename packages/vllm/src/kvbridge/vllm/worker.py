@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,7 +74,7 @@ class WorkerSide:
         self.prefill: PrefillEngine | None = None
         self.decode: DecodeEngine | None = None
         self._single_group = single_group
-        self._held: set[str] = set()
+        self._held: dict[str, float] = {}  # held prefill request -> when the hold began
         self._free_now: set[str] = set()  # holds that failed: report them sent so vLLM frees them
         self._failed_now: dict[str, BlockIds] = {}  # loads refused before starting
         self._invalid: set[int] = set()
@@ -116,6 +117,14 @@ class WorkerSide:
             return None
         return eng.compat_hash, encode_metadata(eng.metadata())
 
+    def compat_info(self) -> dict[str, str]:
+        """The fields of :meth:`handshake`'s compatibility hash, served beside it so that a
+        refused peer is told which differ (empty when this rank has no such engine)."""
+        eng = self.prefill
+        if self.decode is not None and self.decode.config.mode == "push":
+            eng = self.decode
+        return {} if eng is None else dict(eng.compat_info)
+
     # ----- per step --------------------------------------------------------
     def start(self, orders: StepOrders) -> None:
         """Carry out one step's orders; never waits for a peer."""
@@ -127,7 +136,7 @@ class WorkerSide:
                 continue
             try:
                 self.prefill.hold(h.request_id, h.block_ids, h.token)
-                self._held.add(h.request_id)
+                self._held[h.request_id] = time.monotonic()
             except ValueError as exc:
                 log.error("kvbridge: cannot hold request %s (%s); freeing its blocks", h.request_id, exc)
                 self._free_now.add(h.request_id)
@@ -249,7 +258,9 @@ class WorkerSide:
         if self.prefill is not None:
             for r in self.prefill.poll():
                 if r.request_id in self._held:
-                    self._held.discard(r.request_id)
+                    began = self._held.pop(r.request_id)
+                    log.debug("kvbridge: rank %d released request %s after %.1f ms held (%s)",
+                              self.rank, r.request_id, (time.monotonic() - began) * 1e3, r.reason)
                     sending.add(r.request_id)
                 elif r.request_id in self._push_sent:
                     self._push_sent.discard(r.request_id)

@@ -2,7 +2,8 @@
 
 As vLLM's hybrid KV-cache manager allocates them, every region is one tensor of
 pages shared by one attention layer and one Mamba layer: a block id in the
-attention group's list holds that layer's K and V (blocks-first), a block id in
+attention group's list holds that layer's K and V (blocks-first ``[2, bytes]``, or one
+packed K+V element of every head as vLLM >= 0.32 shapes it, at page offset 0), a block id in
 the Mamba group's list holds the Mamba layer's conv state followed by its SSM
 state. Pages are as large as the larger of the two; the other is padded. The
 conv state is dimension-first (``[conv_dim, width]``: the x, B and C channels of
@@ -27,6 +28,8 @@ from kvbridge.topology import (
     CacheGroup,
     EngineSpec,
     GroupKind,
+    HeadOrder,
+    canonical_dtype,
     element_layout,
     head_range,
     mamba_state_bytes,
@@ -71,6 +74,24 @@ def logical_content(spec: EngineSpec, seed: int, num_tokens: int) -> np.ndarray 
     return HybridContent(kv, state)
 
 
+_TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _attention_view(spec: EngineSpec, page: torch.Tensor, nbytes: int) -> torch.Tensor:
+    """The attention layer's view of the pages: blocks-first ``[blocks, 2, bytes]``, or packed
+    as vLLM's CPU backend shapes it, ``[blocks, heads, tokens, 2 * head_dim]`` (HND) or
+    ``[blocks, tokens, heads, 2 * head_dim]`` (NHD) in the cache's dtype (bytes otherwise)."""
+    nb = page.shape[0]
+    part = page[:, :nbytes]
+    if not spec.is_packed:
+        return part.view(nb, 2, nbytes // 2)
+    dt = _TORCH_DTYPES.get(canonical_dtype(spec.dtype), torch.uint8)
+    per = 2 * spec.head_dim * (1 if dt is not torch.uint8 else spec.dtype_size)
+    heads, tokens = spec.heads_per_rank, spec.block_size
+    inner = (heads, tokens) if spec.head_order is HeadOrder.HND else (tokens, heads)
+    return part.view(dt).view(nb, *inner, per)
+
+
 class HybridCache(SyntheticCache):
     """One rank's hybrid cache: page tensors shared by an attention and a Mamba layer."""
 
@@ -86,8 +107,7 @@ class HybridCache(SyntheticCache):
         for _ in range(spec.num_layers):
             t = torch.zeros((num_blocks, page), dtype=torch.uint8)
             regions.append(t)
-            caches.append(t[:, :lay.elements_per_block * lay.element_bytes].view(
-                num_blocks, lay.elements_per_block, lay.element_bytes))
+            caches.append(_attention_view(spec, t, lay.elements_per_block * lay.element_bytes))
             caches.append((t[:, :conv], t[:, conv:state]))
         return cls(spec, rank, num_blocks, regions, caches)
 
