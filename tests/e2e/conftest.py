@@ -95,12 +95,38 @@ def fam_state() -> dict:
     return {}
 
 
+@pytest.fixture(scope="session")
+def forker(e2e_workdir: Path) -> Iterator:
+    """The session's fork server (forkserver.py): engines that may be forked from it start
+    in seconds instead of re-importing vLLM. ``KVB_E2E_FORKSERVER=0`` turns it off (every
+    engine is then a process of its own); a server that fails to start is reported and
+    left off."""
+    from e2e_harness import e2e_python
+    from forkserver import ForkServer
+
+    if os.environ.get("KVB_E2E_FORKSERVER", "1") == "0" or _reason():
+        yield None
+        return
+    server = ForkServer(str(e2e_python()), e2e_workdir / "forkserver", os.environ)
+    try:
+        server.wait_ready()
+    except RuntimeError as e:
+        print(f"\nfork server off: {e}")
+        server.close()
+        yield None
+        return
+    try:
+        yield server
+    finally:
+        server.close()
+
+
 @pytest.fixture(scope="class")
-def fam_pool(request: pytest.FixtureRequest, e2e_workdir: Path) -> Iterator:
+def fam_pool(request: pytest.FixtureRequest, e2e_workdir: Path, forker) -> Iterator:
     from families import family_pool, print_comparison
 
     family = request.cls.family
-    p = family_pool(e2e_workdir, family)
+    p = family_pool(e2e_workdir, family, forker)
     try:
         yield p
     finally:

@@ -52,6 +52,7 @@ from e2e_harness import (
     missing_env_reason,
     stop_process_group,
 )
+from forkserver import ForkServer, forkable
 
 HOST = "127.0.0.1"
 START_DEADLINE_S = 900.0
@@ -81,8 +82,10 @@ class EngineDef:
 class Engine:
     """One long-lived ``engine_runner.py --serve`` process in its own session."""
 
-    def __init__(self, d: EngineDef, workdir: Path, python: str | None = None) -> None:
+    def __init__(self, d: EngineDef, workdir: Path, python: str | None = None,
+                 forker: ForkServer | None = None) -> None:
         self.d = d
+        self.forker = forker
         self.name = d.name
         self.python = python or e2e_python()
         if self.python is None:
@@ -102,7 +105,8 @@ class Engine:
         self.init_path = self.ctrl / "init.json"
         self.init_path.write_text(json.dumps(init))
         self.env = env
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.proc: Any = None  # subprocess.Popen or forkserver.ForkedProcess
+        self.forked = False
         self.seq = 0
         self.ready: dict[str, Any] = {}
         self.started_at = 0.0
@@ -111,11 +115,18 @@ class Engine:
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> Engine:
-        log = open(self.log_path, "wb")  # noqa: SIM115 - owned by the child
+        """A child of the fork server when it may be one (vLLM already imported there),
+        else a process of its own."""
+        argv = [str(self.python), str(RUNNER), "--serve", str(self.init_path)]
         self.started_at = time.monotonic()
-        self.proc = subprocess.Popen(
-            [str(self.python), str(RUNNER), "--serve", str(self.init_path)], stdin=subprocess.PIPE,
-            stdout=log, stderr=subprocess.STDOUT, env=self.env, cwd=self.ctrl, start_new_session=True)
+        if self.forker is not None and self.forker.alive() and forkable(self.env, self.forker.env):
+            self.proc = self.forker.spawn(argv, self.env, self.ctrl, self.log_path)
+            self.forked = True
+            return self
+        log = open(self.log_path, "wb")  # noqa: SIM115 - owned by the child
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=log,
+                                     stderr=subprocess.STDOUT, env=self.env, cwd=self.ctrl,
+                                     start_new_session=True)
         log.close()
         return self
 
@@ -216,12 +227,14 @@ class Engine:
 class EnginePool:
     """The engines of one test module; :meth:`use` keeps only a scenario's engines alive."""
 
-    def __init__(self, workdir: Path, python: str | None = None) -> None:
+    def __init__(self, workdir: Path, python: str | None = None,
+                 forker: ForkServer | None = None) -> None:
         self.workdir = workdir
         self.python = python
+        self.forker = forker
         self.engines: dict[str, Engine] = {}
-        #: seconds each engine took to start, by name (in start order; restarts append)
-        self.start_times: list[tuple[str, float]] = []
+        #: (name, seconds to start, forked) of each engine start, in start order
+        self.start_times: list[tuple[str, float, bool]] = []
 
     def use(self, *defs: EngineDef, keep: Iterable[str] = ()) -> list[Engine]:
         """Running engines for ``defs`` (reused when alive with an equal definition).
@@ -239,7 +252,8 @@ class EnginePool:
             if name not in names or not e.alive() or (wanted is not None and wanted != e.d):
                 e.stop()
                 del self.engines[name]
-        new = [Engine(d, self.workdir, self.python) for d in defs if d.name not in self.engines]
+        new = [Engine(d, self.workdir, self.python, self.forker) for d in defs
+               if d.name not in self.engines]
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         together = sum(e.d.config.tp for e in new) <= cores
         try:
@@ -250,7 +264,7 @@ class EnginePool:
                 if not together:
                     e.start()
                 e.wait_ready()
-                self.start_times.append((e.name, e.ready_s or 0.0))
+                self.start_times.append((e.name, e.ready_s or 0.0, e.forked))
         except BaseException:
             for e in new:
                 e.stop(grace_s=2.0)
@@ -281,7 +295,7 @@ class EnginePool:
         self.engines.clear()
 
     def report(self) -> str:
-        return ", ".join(f"{n} {s:.1f} s" for n, s in self.start_times)
+        return ", ".join(f"{n} {s:.1f} s{' (forked)' if f else ''}" for n, s, f in self.start_times)
 
 
 # --------------------------------------------------------------------------- scenarios

@@ -27,6 +27,7 @@ import os
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 from e2e_harness import CONNECTORS as ALL_CONNECTORS
@@ -91,8 +92,8 @@ def engines(connector: ConnectorUnderTest, model_kv2: Path, model_kv4: Path) -> 
 
 
 @pytest.fixture(scope="module")
-def pool(connector: ConnectorUnderTest, e2e_workdir: Path) -> Iterator[EnginePool]:
-    p = EnginePool(e2e_workdir / f"pull-{connector.label}")
+def pool(connector: ConnectorUnderTest, e2e_workdir: Path, forker: Any) -> Iterator[EnginePool]:
+    p = EnginePool(e2e_workdir / f"pull-{connector.label}", forker=forker)
     try:
         yield p
     finally:

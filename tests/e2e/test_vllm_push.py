@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 from e2e_harness import (
@@ -52,8 +53,8 @@ LAYERS = 2  # of the tiny model
 
 
 @pytest.fixture(scope="module")
-def pool(e2e_workdir: Path) -> Iterator[EnginePool]:
-    p = EnginePool(e2e_workdir / "push")
+def pool(e2e_workdir: Path, forker: Any) -> Iterator[EnginePool]:
+    p = EnginePool(e2e_workdir / "push", forker=forker)
     try:
         yield p
     finally:
