@@ -247,7 +247,8 @@ def main(argv: list[str] | None = None) -> int:
         model = tiny_llama(args.kv_heads, layers=args.layers, heads=args.heads,
                            head_dim=args.head_dim, intermediate=2 * args.heads * args.head_dim)
     prompts = make_prompts([args.prompt_len] * args.num_prompts, seed=7)
-    kv_bytes = 2 * args.layers * args.kv_heads * args.head_dim * 4 * args.prompt_len * args.num_prompts
+    elem = 2 if family and FAMILIES[args.model_family].engine.get("dtype") == "bfloat16" else 4
+    kv_bytes = 2 * args.layers * args.kv_heads * args.head_dim * elem * args.prompt_len * args.num_prompts
     family_env = dict(FAMILIES[args.model_family].env) if family else {}
     engine_kw = {**(FAMILIES[args.model_family].engine if family else {}),
                  "kv_cache_memory_bytes": args.kv_cache_mib * 2**20,
@@ -255,7 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     p_cpus, d_cpus = (cpu_binding(args.prefill_tp, args.decode_tp) if args.cpus == "auto"
                       else ("nobind", "nobind"))
     meta: dict[str, Any] = {
-        "model_desc": (f"{FAMILIES[args.model_family].description}, fp32" if family else
+        "model_desc": (f"{FAMILIES[args.model_family].description}, "
+                       f"{FAMILIES[args.model_family].engine.get('dtype', 'float32')}" if family else
                        f"{args.layers} layers, {args.kv_heads} KV heads x {args.head_dim}, fp32"),
         "num_prompts": args.num_prompts, "prompt_len": args.prompt_len,
         "kv_bytes_per_round": kv_bytes, "rounds": args.rounds, "workdir": str(workdir), "cpus": f"prefill {p_cpus}, decode {d_cpus}",

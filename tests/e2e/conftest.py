@@ -27,6 +27,20 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "e2e: runs real vLLM engines (needs scripts/setup_e2e_env.sh)")
 
 
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    """Print each model family's TTFT comparison (NixlConnector and KVBridgeConnector,
+    same run, same prompts) after the run, whether or not output was captured."""
+    import sys
+
+    families = sys.modules.get("families")
+    figures = getattr(families, "FIGURES", None) if families else None
+    if not figures:
+        return
+    terminalreporter.section("model families: decode TTFT, NixlConnector vs KVBridgeConnector")
+    for family in figures:
+        terminalreporter.write_line(families.comparison_text(family))
+
+
 def _reason() -> str | None:
     if not _REASON:
         _REASON.append(missing_env_reason())

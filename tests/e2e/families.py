@@ -158,15 +158,19 @@ def record_ttft(family: str, label: str, first: DisaggRun, later: list[DisaggRun
 
 
 def print_comparison(family: str) -> str:
+    text = comparison_text(family)
+    print("\n" + text)
+    return text
+
+
+def comparison_text(family: str) -> str:
     rows = FIGURES.get(family, {})
     lines = [f"{family}: decode TTFT (mean over the prompts) and first-request overhead "
              "(first round minus the steady rounds' median)"]
     for label, f in rows.items():
         lines.append(f"  {label:24s} first {f['first_ms']:8.1f} ms  steady {f['steady_ms']:8.1f} ms  "
                      f"overhead {f['overhead_ms']:8.1f} ms")
-    text = "\n".join(lines)
-    print("\n" + text)
-    return text
+    return "\n".join(lines)
 
 
 def check_clean(run: DisaggRun, n_prompts: int) -> None:
