@@ -137,16 +137,13 @@ def forker(e2e_workdir: Path) -> Iterator:
 
 @pytest.fixture(scope="class")
 def fam_pool(request: pytest.FixtureRequest, e2e_workdir: Path, forker) -> Iterator:
-    from families import family_pool, print_comparison
+    from engine_pool import running_pool
+    from families import print_comparison
 
     family = request.cls.family
-    p = family_pool(e2e_workdir, family, forker)
-    try:
+    with running_pool(e2e_workdir / f"family-{family}", family, forker) as p:
         yield p
-    finally:
-        print(f"\n[{family}] engine starts: {p.report()}")
-        print_comparison(family)
-        p.close()
+    print_comparison(family)
 
 
 @pytest.fixture(scope="class")

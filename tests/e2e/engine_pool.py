@@ -36,7 +36,8 @@ import os
 import shutil
 import subprocess
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -296,6 +297,18 @@ class EnginePool:
 
     def report(self) -> str:
         return ", ".join(f"{n} {s:.1f} s{' (forked)' if f else ''}" for n, s, f in self.start_times)
+
+
+@contextmanager
+def running_pool(workdir: Path, label: str, forker: ForkServer | None = None) -> Iterator[EnginePool]:
+    """An :class:`EnginePool` for a fixture's lifetime; prints its engine starts, then
+    stops its engines."""
+    pool = EnginePool(workdir, forker=forker)
+    try:
+        yield pool
+    finally:
+        print(f"\n[{label}] engine starts: {pool.report()}")
+        pool.close()
 
 
 # --------------------------------------------------------------------------- scenarios

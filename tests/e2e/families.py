@@ -40,7 +40,6 @@ from e2e_harness import (
     transfer_problems,
 )
 from engine_pool import Engine, EngineDef, EnginePool, baseline, local_tokens
-from forkserver import ForkServer
 
 HYBRID_SCRIPT = REPO_ROOT / "scripts" / "make_tiny_hybrids.py"
 #: longer than the sliding window (32) and than the Mamba chunk (64 in the tiny Granite);
@@ -204,10 +203,6 @@ def nixl_handshake_timed_out(run: DisaggRun) -> bool:
 def failure_counted(run: DisaggRun) -> float:
     start, end = run.decode.get("metrics_start", []), run.decode.get("metrics_end", [])
     return sum(metric_total(end, n) - metric_total(start, n) for n in run.connector.failure_counters)
-
-
-def family_pool(workdir: Path, family: str, forker: ForkServer | None = None) -> EnginePool:
-    return EnginePool(workdir / f"family-{family}", forker=forker)
 
 
 KVBRIDGE = KVBRIDGE_CONNECTOR

@@ -41,7 +41,7 @@ from e2e_harness import (
     transfer_figures,
     transfer_problems,
 )
-from engine_pool import Engine, EngineDef, EnginePool, baseline, local_tokens
+from engine_pool import Engine, EngineDef, EnginePool, baseline, local_tokens, running_pool
 
 pytestmark = pytest.mark.timeout(1800)
 
@@ -229,12 +229,8 @@ class MLAEngines:
 @pytest.fixture(scope="module")
 def mla(model_mla: Path, e2e_workdir: Path, forker: Any
         ) -> Iterator[tuple[EnginePool, MLAEngines, dict[str, Any]]]:
-    pool = EnginePool(e2e_workdir / "mla", forker=forker)
-    try:
+    with running_pool(e2e_workdir / "mla", "mla", forker) as pool:
         yield pool, MLAEngines(model_mla), {}
-    finally:
-        print(f"\n[mla] engine starts: {pool.report()}")
-        pool.close()
 
 
 def _one_by_one(pool: EnginePool, p: Engine, d: Engine, prompts: list[list[int]]) -> list[DisaggRun]:

@@ -42,7 +42,7 @@ from e2e_harness import (
     transfer_figures,
     transfer_problems,
 )
-from engine_pool import EngineDef, EnginePool, baseline
+from engine_pool import EngineDef, EnginePool, baseline, running_pool
 
 
 def _selected() -> list:
@@ -93,12 +93,8 @@ def engines(connector: ConnectorUnderTest, model_kv2: Path, model_kv4: Path) -> 
 
 @pytest.fixture(scope="module")
 def pool(connector: ConnectorUnderTest, e2e_workdir: Path, forker: Any) -> Iterator[EnginePool]:
-    p = EnginePool(e2e_workdir / f"pull-{connector.label}", forker=forker)
-    try:
+    with running_pool(e2e_workdir / f"pull-{connector.label}", connector.label, forker) as p:
         yield p
-    finally:
-        print(f"\n[{connector.label}] engine starts: {p.report()}")
-        p.close()
 
 
 @pytest.fixture(scope="module")

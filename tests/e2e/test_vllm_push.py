@@ -24,7 +24,7 @@ from e2e_harness import (
     transfer_figures,
     transfer_problems,
 )
-from engine_pool import EngineDef, EnginePool, baseline
+from engine_pool import EngineDef, EnginePool, baseline, running_pool
 
 pytestmark = pytest.mark.timeout(1800)
 
@@ -54,12 +54,8 @@ LAYERS = 2  # of the tiny model
 
 @pytest.fixture(scope="module")
 def pool(e2e_workdir: Path, forker: Any) -> Iterator[EnginePool]:
-    p = EnginePool(e2e_workdir / "push", forker=forker)
-    try:
+    with running_pool(e2e_workdir / "push", "push", forker) as p:
         yield p
-    finally:
-        print(f"\n[push] engine starts: {p.report()}")
-        p.close()
 
 
 @pytest.fixture(scope="module")
