@@ -63,13 +63,15 @@ FULL_HIT = re.compile(r"request (\S+): every block it needs is in the local pref
 
 
 @pytest.fixture(scope="module")
-def baseline_kv2(model_kv2: Path, prompts: list[list[int]], e2e_workdir: Path) -> list[list[int]]:
-    """The non-disaggregated run of the tiny Llama (its own engine process)."""
-    tokens = run_baseline(model_kv2, prompts, MAX_TOKENS, e2e_workdir / "baseline-kv2",
-                          engine=EngineConfig(cpus="0")).tokens
-    assert all(len(t) == MAX_TOKENS for t in tokens), tokens
-    assert len({tuple(t) for t in tokens}) == len(tokens), tokens  # not degenerate
-    return tokens
+def baseline_kv2(model_kv2: Path, prompts: list[list[int]], e2e_workdir: Path,
+                 forker: Any) -> list[list[int]]:
+    """The non-disaggregated run of the tiny Llama: an engine without a connector (forked
+    from the session's fork server: seconds, not a minute), checked by ``baseline``."""
+    local = EngineDef("local-kv2", model_kv2, "local", None,
+                      EngineConfig(cpus="nobind", in_process=True))
+    with running_pool(e2e_workdir / "baseline-kv2", "baseline-kv2", forker) as pool:
+        (engine,) = pool.use(local)
+        return baseline(engine, prompts, MAX_TOKENS)
 
 
 def _blocks_needed(n: int) -> int:
