@@ -200,6 +200,20 @@ def nixl_handshake_timed_out(run: DisaggRun) -> bool:
             and "handshake_setup_failed" in run.decode_log and "zmq.error.Again" in run.decode_log)
 
 
+def reference_round(pool: EnginePool, p: Engine, d: Engine, prompts: list[list[int]],
+                    max_tokens: int, tag: str) -> DisaggRun:
+    """One P/D round through vLLM's NixlConnector, the reference.
+
+    NixlConnector waits 5 s (fixed) for a handshake answer; on two cores shared with
+    other engines that lapsed now and then, failing the round's every request. The
+    reference then gets one more round (printed); kvbridge's rounds never do."""
+    run = pool.round(p, d, prompts, max_tokens)
+    if nixl_handshake_timed_out(run):
+        print(f"\n[{tag}] NixlConnector handshake timed out (5 s); round repeated")
+        run = pool.round(p, d, prompts, max_tokens)
+    return run
+
+
 def failure_counted(run: DisaggRun) -> float:
     start, end = run.decode.get("metrics_start", []), run.decode.get("metrics_end", [])
     return sum(metric_total(end, n) - metric_total(start, n) for n in run.connector.failure_counters)
@@ -287,13 +301,8 @@ class FamilyScenarios:
 
     def _rounds(self, pool: EnginePool, p: Engine, d: Engine, prompts: list[list[int]],
                 base: list[list[int]] | None, label: str) -> list[DisaggRun]:
-        runs = [pool.round(p, d, prompts, MAX_TOKENS)]
-        if label == NIXL.label and nixl_handshake_timed_out(runs[0]):
-            # vLLM's NixlConnector waits 5 s (fixed) for a handshake answer; on two cores
-            # shared with other work that lapsed once here. The reference gets one retry
-            # (printed); kvbridge gets none.
-            print(f"\n[{self.family}] NixlConnector handshake timed out (5 s); round repeated")
-            runs = [pool.round(p, d, prompts, MAX_TOKENS)]
+        runs = [reference_round(pool, p, d, prompts, MAX_TOKENS, self.family) if label == NIXL.label
+                else pool.round(p, d, prompts, MAX_TOKENS)]
         runs += [pool.round(p, d, prompts, MAX_TOKENS) for _ in range(self.rounds - 1)]
         if base is None:  # the NixlConnector reference of a family whose P/D differs from local
             base = runs[0].decode_tokens()

@@ -42,6 +42,7 @@ from e2e_harness import (
     transfer_problems,
 )
 from engine_pool import Engine, EngineDef, EnginePool, baseline, local_tokens, running_pool
+from families import reference_round
 
 pytestmark = pytest.mark.timeout(1800)
 
@@ -235,10 +236,21 @@ def mla(model_mla: Path, e2e_workdir: Path, forker: Any
         yield pool, MLAEngines(model_mla), {}
 
 
-def _one_by_one(pool: EnginePool, p: Engine, d: Engine, prompts: list[list[int]]) -> list[DisaggRun]:
+def _one_by_one(pool: EnginePool, p: Engine, d: Engine, prompts: list[list[int]], *,
+                reference: bool = False) -> list[DisaggRun]:
     """One P/D round per prompt: the decode batch is then the same whatever the connector
-    (vLLM's CPU MLA kernels round differently with other batch shapes)."""
+    (vLLM's CPU MLA kernels round differently with other batch shapes). ``reference``:
+    the rounds go through NixlConnector (see :func:`families.reference_round`)."""
+    if reference:
+        return [reference_round(pool, p, d, [q], MAX_TOKENS, "mla") for q in prompts]
     return [pool.round(p, d, [q], MAX_TOKENS) for q in prompts]
+
+
+def _reference(state: dict[str, Any]) -> list[list[int]]:
+    """NixlConnector's MLA P/D tokens, which test_mla_nixl_reference stored."""
+    if "ref" not in state:
+        pytest.fail("the NixlConnector reference (test_mla_nixl_reference) did not run")
+    return state["ref"]
 
 
 def test_mla_nixl_reference(mla: tuple[EnginePool, MLAEngines, dict[str, Any]],
@@ -252,7 +264,7 @@ def test_mla_nixl_reference(mla: tuple[EnginePool, MLAEngines, dict[str, Any]],
     pool, e, state = mla
     p, d = pool.use(e.nixl_p, e.nixl_d)
     local = baseline(d, prompts, MAX_TOKENS)
-    runs = _one_by_one(pool, p, d, prompts)
+    runs = _one_by_one(pool, p, d, prompts, reference=True)
     ref = [r.decode_tokens()[0] for r in runs]
     assert all(len(t) == MAX_TOKENS for t in ref), ref
     assert all(r.decode_finish_reasons() == ["length"] for r in runs)
@@ -266,8 +278,7 @@ def test_mla_prefill_decode_equals_the_nixl_reference(
     """P TP 1 -> D TP 1 through KVBridgeConnector: token-identical to NixlConnector's P/D
     on every prompt, and a clean transfer of exactly the prompts' latent blocks."""
     pool, e, state = mla
-    if "ref" not in state:
-        pytest.fail("the NixlConnector reference (test_mla_nixl_reference) did not run")
+    ref = _reference(state)
     p, d = pool.use(e.p, e.d)
     assert local_tokens(d, prompts, MAX_TOKENS) == state["local"]  # same model, no transfer
     runs = _one_by_one(pool, p, d, prompts)
@@ -278,23 +289,22 @@ def test_mla_prefill_decode_equals_the_nixl_reference(
     moved = sum(transfer_figures(r).get("bytes", 0) for r in runs)
     want = sum(-(-(len(q) - 1) // MLA_BLOCK) for q in prompts) * MLA_BLOCK_BYTES
     print(f"\nmla: {moved:.0f} bytes read (want {want}); equal to NixlConnector's P/D: "
-          f"{[a == b for a, b in zip(got, state['ref'], strict=True)]}; to the local run: "
+          f"{[a == b for a, b in zip(got, ref, strict=True)]}; to the local run: "
           f"{[a == b for a, b in zip(got, state['local'], strict=True)]}")
     assert moved == want
-    assert got == state["ref"]
+    assert got == ref
 
 
 def test_mla_negative_control_dummy_prefill_weights_mismatch(
     mla: tuple[EnginePool, MLAEngines, dict[str, Any]], prompts: list[list[int]],
 ) -> None:
     pool, e, state = mla
-    if "ref" not in state:
-        pytest.fail("the NixlConnector reference (test_mla_nixl_reference) did not run")
+    ref = _reference(state)
     p, d = pool.use(e.p_dummy, e.d)
     runs = _one_by_one(pool, p, d, prompts)
     for r in runs:  # the transfer itself was clean: the mismatch comes from the latent
         assert transfer_problems(r) == [] and transfer_figures(r).get("bytes", 0) > 0
     got = [r.decode_tokens()[0] for r in runs]
     assert all(len(t) == MAX_TOKENS for t in got), got
-    assert [i for i, (a, b) in enumerate(zip(got, state["ref"], strict=True)) if a != b] == \
-        list(range(len(prompts))), (got, state["ref"])
+    assert [i for i, (a, b) in enumerate(zip(got, ref, strict=True)) if a != b] == \
+        list(range(len(prompts))), (got, ref)
