@@ -53,6 +53,12 @@ class EngineConfig:
     #: (``AgentConfig.progress_thread``), a peer's connection set-up waits for this
     #: side's next poll()
     progress_interval_s: float = 0.001
+    #: the same while the engine is idle: no blocks held for a peer (prefill), no transfer
+    #: awaited (decode). A peer's READ of held blocks completes only while this side
+    #: progresses, so busy engines use ``progress_interval_s``; idle ones wake this much
+    #: less often (each wake-up costs CPU time and takes the GIL). 0 or a value not above
+    #: ``progress_interval_s``: always ``progress_interval_s``
+    idle_progress_interval_s: float = 0.02
     #: CPUs the engine's worker thread (handshakes, posting READs and WRITEs, which over
     #: UCX in host memory copy in the posting thread) runs on; None: the CPUs of the thread
     #: that built the engine. See :func:`all_cpus`
@@ -92,9 +98,9 @@ class EngineConfig:
                 isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in self.worker_cpus)):
             raise ValueError(f"worker_cpus must be None or a non-empty tuple of CPU numbers, got "
                              f"{self.worker_cpus!r}")
-        if not 0 <= self.progress_interval_s <= 1:
-            raise ValueError(f"progress_interval_s must be within [0, 1] seconds, got "
-                             f"{self.progress_interval_s!r}")
+        for name in ("progress_interval_s", "idle_progress_interval_s"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(f"{name} must be within [0, 1] seconds, got {getattr(self, name)!r}")
 
 
 def all_cpus() -> tuple[int, ...]:

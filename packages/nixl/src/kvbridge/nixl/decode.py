@@ -42,6 +42,9 @@ class DecodeEngine(RankEngine):
         self.mode: DecodeMode = _MODES[self.config.mode](self)
 
     # ----- planning hooks ---------------------------------------------------
+    def _busy(self) -> bool:
+        return bool(self._loads) or self.pending > 0  # READs running or WRITEs awaited
+
     def _plan_for(self, peer_spec: EngineSpec) -> TransferPlan:
         return plan_transfer(kernel_spec(peer_spec), kernel_spec(self.spec))
 
@@ -76,6 +79,7 @@ class DecodeEngine(RankEngine):
                 f"{self.spec.block_size} (whole blocks already present), got {computed_tokens}"
             )
         self.mode.load(request_id, params, lids, computed_tokens, groups)
+        self._worker.wake()
 
     def prepare(self, params: TransferParams) -> None:
         """Start the handshake with ``params``' prefill engine now, if it is not known yet.
@@ -132,6 +136,7 @@ class DecodeEngine(RankEngine):
         lids = flat_ids(groups, self.config.null_block_id)
         self.mode.expect(request_id, prefill_engine_id, prefill_tp, token, lids, prefill_block_size,
                          prefill_head_order, prefill_kernel_blocks_per_block, groups)
+        self._worker.wake()  # the prefill ranks' WRITEs need this side's progress
 
     def poll(self) -> DecodeEvents:
         """Advance handshakes, transfers, timeouts and lease renewals; return finished requests.

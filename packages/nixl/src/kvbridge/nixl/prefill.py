@@ -41,6 +41,9 @@ class PrefillEngine(RankEngine):
         self.ledger = PrefillLedger(self._consumers_for, self.config.lease_s, self.stats)
         self.mode: PrefillMode = _MODES[self.config.mode](self)
 
+    def _busy(self) -> bool:
+        return self.held > 0  # a decode rank may read held blocks (or pushes are in flight)
+
     def _consumers_for(self, decode_tp: int) -> tuple[int, ...]:
         """The decode ranks (of a decode engine with TP ``decode_tp``) that notify this rank."""
         plan = plan_transfer(self.spec, provisional_spec(self.spec, self.spec.engine_id + "#decode", decode_tp))
@@ -73,6 +76,7 @@ class PrefillEngine(RankEngine):
         groups = self._group_ids(block_ids, self.geometry.num_blocks, "prefill")
         token = token or new_token()
         self.mode.hold(request_id, tuple(flat_ids(groups, None).tolist()), token, time.monotonic())
+        self._worker.wake()  # the decode ranks' READs need this side's progress from now on
         host, port = self.address
         return TransferParams(self.spec.engine_id, host, port, self.spec.tp_size,
                               as_params_ids(groups), token, self.incarnation, request_id)
@@ -84,6 +88,7 @@ class PrefillEngine(RankEngine):
         flat (one KV-cache group) or one list per group."""
         groups = self._group_ids(block_ids, self.geometry.num_blocks, "prefill")
         self.mode.push(request_id, groups, target)
+        self._worker.wake()
 
     def push_start(self, request_id: str, block_ids: Sequence[int] | Sequence[Sequence[int]],
                    target: TransferParams) -> None:
@@ -96,6 +101,7 @@ class PrefillEngine(RankEngine):
         Never blocks on the peer."""
         groups = self._group_ids(block_ids, self.geometry.num_blocks, "prefill")
         self.mode.start(request_id, groups, target)
+        self._worker.wake()
 
     def push_layers(self, request_id: str, layers: Sequence[int]) -> None:
         """Write these layers (indices in model order) of an open layered push now;

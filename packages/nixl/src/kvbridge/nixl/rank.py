@@ -130,7 +130,8 @@ class RankEngine:
         self._zmq = zmq.Context(io_threads=1)
         self._events = EventQueue()
         self._worker = Worker(self.agent, f"kvbridge-handshake-{rank}", self.config.progress_interval_s,
-                              cpus=self.config.worker_cpus)
+                              cpus=self.config.worker_cpus,
+                              idle_interval_s=self.config.idle_progress_interval_s, busy=self._busy)
         self.peers = PeerTable(self.agent, self.stats, self._start_handshake)
         self._orphans: list[Transfer] = []  # handles NIXL refused to release yet
         self._closed = False
@@ -192,6 +193,13 @@ class RankEngine:
         if self.server is None:
             raise RuntimeError("this rank is not served yet: call serve() or advertise() first")
         return self.server.host, self.server.port
+
+    # ----- worker pacing -----------------------------------------------------
+    def _busy(self) -> bool:
+        """Whether a peer may be transferring with this rank now (the worker then lets NIXL
+        progress every ``progress_interval_s``, else every ``idle_progress_interval_s``).
+        Runs on the worker thread: a cheap snapshot."""
+        return True
 
     # ----- planning hooks ---------------------------------------------------
     def _plan_for(self, peer_spec: EngineSpec) -> TransferPlan:

@@ -1,0 +1,117 @@
+"""The worker's progress pacing: often while its engine is busy, seldom while idle."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from kvbridge.nixl import AgentConfig, EngineConfig
+from kvbridge.nixl.testing.local import LocalRanks
+from kvbridge.nixl.testing.synthetic import logical_kv
+from kvbridge.nixl.worker import Worker
+from kvbridge.topology import EngineSpec
+
+pytestmark = pytest.mark.timeout(120)
+
+P = EngineSpec("prefill", 1, 4, 16, 2, 16)
+D = EngineSpec("decode", 1, 4, 16, 2, 16)
+CFG = EngineConfig(agent=AgentConfig(num_threads=0), handshake_timeout_s=2, transfer_timeout_s=10)
+
+
+class CountingAgent:
+    """Stands in for NixlAgent: counts the worker's progress calls (logic test only)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self._lock = threading.Lock()
+
+    def progress(self) -> None:
+        with self._lock:
+            self.calls += 1
+
+    def count(self) -> int:
+        with self._lock:
+            return self.calls
+
+
+def _calls_during(agent: CountingAgent, seconds: float) -> int:
+    start = agent.count()
+    time.sleep(seconds)
+    return agent.count() - start
+
+
+def test_idle_worker_progresses_at_the_idle_interval_and_busy_at_the_short_one():
+    agent, busy = CountingAgent(), threading.Event()
+    w = Worker(agent, "pacing", 0.001, idle_interval_s=0.1, busy=busy.is_set)  # type: ignore[arg-type]
+    try:
+        time.sleep(0.2)  # settle into the idle rhythm
+        idle = _calls_during(agent, 1.0)
+        busy.set()
+        w.wake()
+        fast = _calls_during(agent, 1.0)
+    finally:
+        w.close(5)
+    # 1 s at 100 ms: about 10 calls (load only makes it fewer); at 1 ms: hundreds
+    assert idle <= 12, idle
+    assert fast > 5 * max(idle, 1), (idle, fast)
+
+
+def test_wake_ends_an_idle_wait_at_once():
+    agent, busy = CountingAgent(), threading.Event()
+    w = Worker(agent, "pacing", 0.001, idle_interval_s=1.0, busy=busy.is_set)  # type: ignore[arg-type]
+    try:
+        time.sleep(0.1)  # now inside a 1 s idle wait
+        before = agent.count()
+        busy.set()
+        w.wake()
+        time.sleep(0.3)  # without wake() the worker would sleep on for up to 0.9 s
+        assert agent.count() - before >= 5
+    finally:
+        w.close(5)
+
+
+def test_a_busy_predicate_that_raises_counts_as_busy():
+    agent = CountingAgent()
+
+    def broken() -> bool:
+        raise RuntimeError("dict changed size")
+
+    w = Worker(agent, "pacing", 0.001, idle_interval_s=1.0, busy=broken)  # type: ignore[arg-type]
+    try:
+        assert _calls_during(agent, 0.5) >= 5
+    finally:
+        w.close(5)
+
+
+def test_engines_are_busy_exactly_while_blocks_are_held_or_reads_awaited():
+    decode = LocalRanks.start("d", D, [0], 8, CFG, serve=False)
+    prefill = LocalRanks.start("p", P, [0], 8, CFG)
+    dec, pre = decode.engines[0], prefill.engines[0]
+    try:
+        assert not pre._busy() and not dec._busy()
+        prefill.fill(logical_kv(P, 1, 32), [2, 3])
+        params = pre.hold("a", [2, 3])
+        assert pre._busy()  # the decode rank may READ from now on
+        dec.load("a", params, [5, 6])
+        assert dec._busy()
+        done: list[str] = []
+        deadline = time.monotonic() + 30
+        while (not done or pre.held) and time.monotonic() < deadline:
+            done += dec.poll().done
+            pre.poll()
+            time.sleep(0.001)
+        assert done == ["a"] and pre.held == 0
+        assert not pre._busy() and not dec._busy()  # idle again: the long interval
+        assert decode.caches[0].verify(logical_kv(P, 1, 32), [5, 6], 0, 32) == 0
+    finally:
+        decode.close()
+        prefill.close()
+
+
+def test_engine_config_refuses_a_bad_idle_progress_interval():
+    with pytest.raises(ValueError, match="idle_progress_interval_s"):
+        EngineConfig(idle_progress_interval_s=-1)
+    with pytest.raises(ValueError, match="idle_progress_interval_s"):
+        EngineConfig(idle_progress_interval_s=2)
