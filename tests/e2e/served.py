@@ -191,15 +191,12 @@ def wait_ready(servers: Sequence[Served], deadline_s: float) -> None:
 
 def engine(name: str, model: Path, role: str, workdir: Path, *, tp: int = 1, cpus: str = "nobind",
            connector: ConnectorUnderTest = SERVED_CONNECTOR, max_model_len: int = 512,
-           kv_cache_bytes: int = 64 << 20, start_method: str = "spawn") -> Served:
+           kv_cache_bytes: int = 64 << 20) -> Served:
     """A vLLM OpenAI server for ``role`` ("prefill" or "decode") with kvbridge's connector.
 
-    ``start_method`` is how the server starts its engine core (and that its TP
-    workers): "spawn", the ``vllm serve`` default, imports vLLM again in each
-    (about 30 s of CPU here); "fork" copies the server's process, vLLM already
-    imported (vLLM's default when used as a library)."""
-    if start_method not in ("spawn", "fork"):
-        raise ValueError(f"start_method must be 'spawn' or 'fork', got {start_method!r}")
+    Its engine core and TP workers are spawned, each importing vLLM again (about
+    30 s of CPU here): vLLM's CPU platform sets VLLM_WORKER_MULTIPROC_METHOD to
+    spawn whatever the environment says."""
     py = e2e_python()
     if py is None:
         raise RuntimeError(missing_env_reason() or "no e2e python")
@@ -214,8 +211,7 @@ def engine(name: str, model: Path, role: str, workdir: Path, *, tp: int = 1, cpu
     if tp > 1:
         argv += ["--tensor-parallel-size", str(tp), "--distributed-executor-backend", "mp"]
     env = {"PYTHONUNBUFFERED": "1", "TORCHINDUCTOR_VEC_ISA_OK": "1",
-           "VLLM_CPU_OMP_THREADS_BIND": cpus, "VLLM_WORKER_MULTIPROC_METHOD": start_method,
-           **connector.engine_env(HOST, side_port)}
+           "VLLM_CPU_OMP_THREADS_BIND": cpus, **connector.engine_env(HOST, side_port)}
     if cpus == "nobind":
         env["OMP_NUM_THREADS"] = "1"
     workdir.mkdir(parents=True, exist_ok=True)

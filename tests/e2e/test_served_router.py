@@ -171,12 +171,9 @@ def _topology(workdir: Path, model: Path, prefill_tp: int, n_prefill: int, share
               n_new_decode: int) -> Iterator[Topology]:
     t0 = time.monotonic()
     # 3 or 4 workers on two cores: none pinned, one OpenMP thread each (see EngineConfig.cpus)
-    # decode0 starts its engine core as `vllm serve` does (spawn); the others fork theirs
-    # from the server process, which saves a vLLM import (about 30 s of CPU) per process
-    prefill = [engine(f"prefill{i}-tp{prefill_tp}", model, "prefill", workdir, tp=prefill_tp,
-                      start_method="fork") for i in range(n_prefill)]
-    new = [engine(f"decode{i + 1}", model, "decode", workdir, start_method="fork")
-           for i in range(n_new_decode)]
+    prefill = [engine(f"prefill{i}-tp{prefill_tp}", model, "prefill", workdir, tp=prefill_tp)
+               for i in range(n_prefill)]
+    new = [engine(f"decode{i + 1}", model, "decode", workdir) for i in range(n_new_decode)]
     topo = Topology(prefill, [shared, *new], workdir)
     try:
         for s in prefill + new:
