@@ -9,6 +9,7 @@ with the reason. Engines are separate processes, kept per test module
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -113,15 +114,20 @@ def fam_state() -> dict:
 def forker(e2e_workdir: Path) -> Iterator:
     """The session's fork server (forkserver.py): engines that may be forked from it start
     in seconds instead of re-importing vLLM. ``KVB_E2E_FORKSERVER=0`` turns it off (every
-    engine is then a process of its own); a server that fails to start is reported and
-    left off."""
+    engine is then a process of its own), as does a harness that runs in another Python
+    than the e2e environment's (the server is a fork of the harness's interpreter); a
+    server that fails to start is reported and left off."""
     from e2e_harness import e2e_python
     from forkserver import ForkServer
 
     if os.environ.get("KVB_E2E_FORKSERVER", "1") == "0" or _reason():
         yield None
         return
-    server = ForkServer(str(e2e_python()), e2e_workdir / "forkserver", os.environ)
+    if Path(str(e2e_python())).parent.parent.resolve() != Path(sys.prefix).resolve():
+        print(f"\nfork server off: the harness runs in {sys.prefix}, not the e2e environment")
+        yield None
+        return
+    server = ForkServer(e2e_workdir / "forkserver", os.environ)
     try:
         server.wait_ready()
     except RuntimeError as e:
