@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -85,9 +86,10 @@ def test_a_busy_predicate_that_raises_counts_as_busy():
         w.close(5)
 
 
-def test_engines_are_busy_exactly_while_blocks_are_held_or_reads_awaited():
-    decode = LocalRanks.start("d", D, [0], 8, CFG, serve=False)
-    prefill = LocalRanks.start("p", P, [0], 8, CFG)
+def test_engines_are_busy_while_blocks_are_held_or_reads_awaited_and_shortly_after_a_poll():
+    cfg = replace(CFG, busy_after_poll_s=0.3)
+    decode = LocalRanks.start("d", D, [0], 8, cfg, serve=False)
+    prefill = LocalRanks.start("p", P, [0], 8, cfg)
     dec, pre = decode.engines[0], prefill.engines[0]
     try:
         assert not pre._busy() and not dec._busy()
@@ -103,7 +105,11 @@ def test_engines_are_busy_exactly_while_blocks_are_held_or_reads_awaited():
             pre.poll()
             time.sleep(0.001)
         assert done == ["a"] and pre.held == 0
+        assert pre._busy() and dec._busy()  # both polled just now: a next request may follow
+        time.sleep(0.4)
         assert not pre._busy() and not dec._busy()  # idle again: the long interval
+        pre.poll()
+        assert pre._busy() and not dec._busy()  # stepping again
         assert decode.caches[0].verify(logical_kv(P, 1, 32), [5, 6], 0, 32) == 0
     finally:
         decode.close()
@@ -115,3 +121,5 @@ def test_engine_config_refuses_a_bad_idle_progress_interval():
         EngineConfig(idle_progress_interval_s=-1)
     with pytest.raises(ValueError, match="idle_progress_interval_s"):
         EngineConfig(idle_progress_interval_s=2)
+    with pytest.raises(ValueError, match="busy_after_poll_s"):
+        EngineConfig(busy_after_poll_s=-1)

@@ -59,6 +59,11 @@ class EngineConfig:
     #: less often (each wake-up costs CPU time and takes the GIL). 0 or a value not above
     #: ``progress_interval_s``: always ``progress_interval_s``
     idle_progress_interval_s: float = 0.02
+    #: an engine also counts as busy for this long after its last ``poll()`` (seconds):
+    #: a vLLM prefill worker learns of a finished request (and holds its blocks) only at
+    #: its next step, and an engine driven in-process may not step again before the
+    #: decode engine reads; while it kept stepping recently, its progress stays short
+    busy_after_poll_s: float = 5.0
     #: CPUs the engine's worker thread (handshakes, posting READs and WRITEs, which over
     #: UCX in host memory copy in the posting thread) runs on; None: the CPUs of the thread
     #: that built the engine. See :func:`all_cpus`
@@ -101,6 +106,9 @@ class EngineConfig:
         for name in ("progress_interval_s", "idle_progress_interval_s"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ValueError(f"{name} must be within [0, 1] seconds, got {getattr(self, name)!r}")
+        if not 0 <= self.busy_after_poll_s <= 3600:
+            raise ValueError(f"busy_after_poll_s must be within [0, 3600] seconds, got "
+                             f"{self.busy_after_poll_s!r}")
 
 
 def all_cpus() -> tuple[int, ...]:

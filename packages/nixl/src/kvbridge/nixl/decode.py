@@ -43,7 +43,8 @@ class DecodeEngine(RankEngine):
 
     # ----- planning hooks ---------------------------------------------------
     def _busy(self) -> bool:
-        return bool(self._loads) or self.pending > 0  # READs running or WRITEs awaited
+        # READs running or WRITEs awaited, or the owner stepped
+        return bool(self._loads) or self.pending > 0 or super()._busy()
 
     def _plan_for(self, peer_spec: EngineSpec) -> TransferPlan:
         return plan_transfer(kernel_spec(peer_spec), kernel_spec(self.spec))
@@ -143,6 +144,7 @@ class DecodeEngine(RankEngine):
 
         Never waits: while the worker thread is inside a NIXL call, this round is skipped.
         """
+        self._polled()
         self._events.clear()  # what is queued now is applied below or by the next round
         with self.agent.turn(wait=False) as mine:
             if mine:

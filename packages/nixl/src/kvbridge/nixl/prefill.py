@@ -42,7 +42,8 @@ class PrefillEngine(RankEngine):
         self.mode: PrefillMode = _MODES[self.config.mode](self)
 
     def _busy(self) -> bool:
-        return self.held > 0  # a decode rank may read held blocks (or pushes are in flight)
+        # a decode rank may read held blocks (or pushes are in flight), or the owner stepped
+        return self.held > 0 or super()._busy()
 
     def _consumers_for(self, decode_tp: int) -> tuple[int, ...]:
         """The decode ranks (of a decode engine with TP ``decode_tp``) that notify this rank."""
@@ -116,6 +117,7 @@ class PrefillEngine(RankEngine):
 
     def poll(self) -> list[Released]:
         """Count notifications, expire leases, advance pushes; returns requests whose blocks are free."""
+        self._polled()
         self._drain_events()
         self._release_transfers()
         now = time.monotonic()

@@ -134,6 +134,7 @@ class RankEngine:
                               idle_interval_s=self.config.idle_progress_interval_s, busy=self._busy)
         self.peers = PeerTable(self.agent, self.stats, self._start_handshake)
         self._orphans: list[Transfer] = []  # handles NIXL refused to release yet
+        self._busy_until = 0.0  # monotonic time: busy until then (see busy_after_poll_s)
         self._closed = False
 
     def take_records(self) -> list[TransferRecord]:
@@ -197,9 +198,14 @@ class RankEngine:
     # ----- worker pacing -----------------------------------------------------
     def _busy(self) -> bool:
         """Whether a peer may be transferring with this rank now (the worker then lets NIXL
-        progress every ``progress_interval_s``, else every ``idle_progress_interval_s``).
-        Runs on the worker thread: a cheap snapshot."""
-        return True
+        progress every ``progress_interval_s``, else every ``idle_progress_interval_s``):
+        here, within ``busy_after_poll_s`` of the last ``poll()``; the engines add what
+        they hold or await. Runs on the worker thread: a cheap snapshot."""
+        return time.monotonic() < self._busy_until
+
+    def _polled(self) -> None:
+        """Called by ``poll()``: the owner is stepping, so peers may be about to transfer."""
+        self._busy_until = time.monotonic() + self.config.busy_after_poll_s
 
     # ----- planning hooks ---------------------------------------------------
     def _plan_for(self, peer_spec: EngineSpec) -> TransferPlan:
