@@ -144,12 +144,10 @@ def forker(e2e_workdir: Path) -> Iterator:
 @pytest.fixture(scope="class")
 def fam_pool(request: pytest.FixtureRequest, e2e_workdir: Path, forker) -> Iterator:
     from engine_pool import running_pool
-    from families import print_comparison
 
     family = request.cls.family
     with running_pool(e2e_workdir / f"family-{family}", family, forker) as p:
         yield p
-    print_comparison(family)
 
 
 @pytest.fixture(scope="class")

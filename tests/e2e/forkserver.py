@@ -62,10 +62,6 @@ class ForkedProcess:
         self.pid = proc.pid
         self.stdin = os.fdopen(stdin_fd, "wb")
 
-    @property
-    def returncode(self) -> int | None:
-        return self._proc.exitcode
-
     def poll(self) -> int | None:
         return self._proc.exitcode
 
