@@ -13,11 +13,19 @@ import time
 from collections.abc import Sequence
 
 from kvbridge.memory import kernel_spec, post_process, rank_descriptors
-from kvbridge.topology import EngineSpec, HeadOrder, RankPlan, TransferPlan, plan_transfer
+from kvbridge.topology import (
+    DecodeEvents,
+    EngineSpec,
+    FailureKind,
+    HeadOrder,
+    RankPlan,
+    TransferParams,
+    TransferPlan,
+    plan_transfer,
+)
 
-from .config import DecodeEvents, TransferParams
 from .groups import flat_ids
-from .ledger import DecodeTracker, FailureKind, State
+from .ledger import DecodeTracker, State
 from .modes import DecodeMode, Load
 from .peers import Peer
 from .pull import PullReads

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvbridge.topology import Released, TransferParams
+
 from .agent import Transfer
-from .config import TransferParams
-from .ledger import Released
 from .peers import Peer
 from .rank import RankEngine
 

@@ -14,11 +14,11 @@ import time
 from collections.abc import Sequence
 
 from kvbridge.memory import kernel_spec, rank_descriptors
-from kvbridge.topology import EngineSpec, TransferPlan, plan_transfer
+from kvbridge.topology import EngineSpec, Released, TransferParams, TransferPlan, plan_transfer
 
-from .config import TransferParams, provisional_spec
+from .config import provisional_spec
 from .groups import as_params_ids, flat_ids
-from .ledger import PrefillLedger, Released
+from .ledger import PrefillLedger
 from .messages import new_token, parse_notification
 from .modes import PrefillMode
 from .peers import Peer

@@ -20,10 +20,11 @@ import time
 
 import numpy as np
 
+from kvbridge.topology import FailureKind, TransferParams
+
 from .agent import NixlError, Transfer
-from .config import TransferParams
 from .groups import pair_indices
-from .ledger import FailureKind, State
+from .ledger import State
 from .messages import Kind, Notification, encode_notification
 from .modes import DecodeMode, Load, PrefillMode
 from .peers import Peer

@@ -18,12 +18,11 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from kvbridge.topology import HeadOrder
+from kvbridge.topology import FailureKind, HeadOrder, Released, TransferParams
 
 from .agent import NixlError, Transfer
-from .config import TransferParams, provisional_spec
+from .config import provisional_spec
 from .groups import flat_ids, pair_indices, split_block_ids
-from .ledger import FailureKind, Released
 from .messages import Kind, Notification, encode_notification, parse_notification
 from .modes import DecodeMode, Load, PrefillMode
 from .peers import Peer

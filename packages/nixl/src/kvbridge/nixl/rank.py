@@ -36,13 +36,12 @@ from kvbridge.memory import (
     advise_huge_pages,
     regions_from_kv_caches,
 )
-from kvbridge.topology import EngineSpec, TopologyError, TransferPlan
+from kvbridge.topology import EngineSpec, TopologyError, TransferPlan, TransferRecord
 
 from .agent import NixlAgent, NixlError, Transfer
 from .config import (
     EngineConfig,
     HandshakeFailed,
-    TransferRecord,
     engine_compat_hash,
     engine_compat_info,
     provisional_spec,

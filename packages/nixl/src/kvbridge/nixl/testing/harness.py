@@ -17,9 +17,9 @@ from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection, wait
 
 from kvbridge.handshake import new_incarnation
-from kvbridge.topology import EngineSpec, plan_transfer
+from kvbridge.topology import EngineSpec, TransferParams, plan_transfer
 
-from ..config import EngineConfig, TransferParams
+from ..config import EngineConfig
 from ..messages import new_token
 from .child import child_main
 from .spawn import start_context
