@@ -32,3 +32,24 @@ def test_transfer_params_are_frozen_and_hashable():
     assert p == _params() and hash(p) == hash(_params())
     with pytest.raises(AttributeError):
         p.port = 1  # type: ignore[misc]
+
+
+def test_block_ids_are_one_tuple_per_group_stored_as_tuples():
+    assert _params(block_ids=[[1, 2], [0, 7]]).block_ids == ((1, 2), (0, 7))
+    assert _params(block_ids=((),)).block_ids == ((),)
+    p = _params(block_ids=((3, 4),))
+    assert p.block_ids == ((3, 4),) and all(type(b) is int for b in p.block_ids[0])
+
+
+@pytest.mark.parametrize(("ids", "says"), [
+    ((1, 2, 3), r"flat list of block ids; pass one tuple per KV-cache group.*\(\(1, 2, 3\),\)"),
+    ([], "names no KV-cache group"),
+    (((1, -2),), "negative block id -2"),
+    (((1, 2.5),), "holds 2.5, which is not a block id"),
+    (((True,),), "holds True, which is not a block id"),
+    (("12",), "group 0 must be a tuple of block ids"),
+    (None, "one tuple of block ids per KV-cache group"),
+])
+def test_block_ids_of_the_wrong_shape_are_refused_saying_what_to_pass(ids, says):
+    with pytest.raises(ValueError, match=says):
+        _params(block_ids=ids)

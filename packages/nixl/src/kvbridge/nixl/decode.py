@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
 
 from kvbridge.memory import kernel_spec, post_process, rank_descriptors
 from kvbridge.topology import (
+    BlockIds,
     DecodeEvents,
     EngineSpec,
     FailureKind,
@@ -24,7 +24,7 @@ from kvbridge.topology import (
     plan_transfer,
 )
 
-from .groups import flat_ids
+from .groups import flat_ids, group_arrays
 from .ledger import DecodeTracker, State
 from .modes import DecodeMode, Load
 from .peers import Peer
@@ -69,18 +69,18 @@ class DecodeEngine(RankEngine):
                                 self._remote_geometry(peer, q)), True
 
     # ----- public API -------------------------------------------------------
-    def load(self, request_id: str, params: TransferParams,
-             local_block_ids: Sequence[int] | Sequence[Sequence[int]],
+    def load(self, request_id: str, params: TransferParams, local_block_ids: BlockIds,
              computed_tokens: int = 0) -> None:
         """Start loading a request's blocks (pull mode). Never blocks on the peer.
 
         ``local_block_ids`` are this engine's blocks for the tokens from
         ``computed_tokens`` on (tokens already present locally: a prefix hit);
         ``params.block_ids`` are the prefill engine's blocks for all tokens. Both
-        are flat (one KV-cache group) or one list per group of ``EngineSpec.groups``
-        (see :mod:`kvbridge.nixl.groups` for how each group's blocks pair up).
+        are :data:`~kvbridge.topology.BlockIds`: one tuple per group of
+        ``EngineSpec.groups``, ``(ids,)`` for an engine with one group (see
+        :mod:`kvbridge.nixl.groups` for how each group's blocks pair up).
         """
-        groups = self._group_ids(local_block_ids, self.geometry.num_blocks, "local")
+        groups = group_arrays(local_block_ids, len(self.groups), self.geometry.num_blocks, "local")
         lids = flat_ids(groups, self.config.null_block_id)
         if computed_tokens < 0 or computed_tokens % self.spec.block_size:
             raise ValueError(
@@ -119,7 +119,7 @@ class DecodeEngine(RankEngine):
         self.mode.release(params)
 
     def expect(self, request_id: str, prefill_engine_id: str, prefill_tp: int, token: str,
-               local_block_ids: Sequence[int] | Sequence[Sequence[int]], *, prefill_block_size: int | None = None,
+               local_block_ids: BlockIds, *, prefill_block_size: int | None = None,
                prefill_head_order: HeadOrder | str | None = None,
                prefill_kernel_blocks_per_block: int | None = None) -> None:
         """Push mode: wait for the prefill ranks that write this rank's share of a request.
@@ -139,9 +139,9 @@ class DecodeEngine(RankEngine):
         detected (push notifications do not carry the prefill geometry): the
         received blocks would be rearranged wrongly. Raises ``ValueError``
         (:class:`~kvbridge.topology.TopologyError`) when the pair cannot be planned.
-        ``local_block_ids``: flat (one KV-cache group) or one list per group.
+        ``local_block_ids``: :data:`~kvbridge.topology.BlockIds`, one tuple per group.
         """
-        groups = self._group_ids(local_block_ids, self.geometry.num_blocks, "local")
+        groups = group_arrays(local_block_ids, len(self.groups), self.geometry.num_blocks, "local")
         lids = flat_ids(groups, self.config.null_block_id)
         self.mode.expect(request_id, prefill_engine_id, prefill_tp, token, lids, prefill_block_size,
                          prefill_head_order, prefill_kernel_blocks_per_block, groups)

@@ -23,7 +23,7 @@ import numpy as np
 from kvbridge.topology import FailureKind, TransferParams
 
 from .agent import NixlError, Transfer
-from .groups import pair_indices
+from .groups import group_arrays, pair_indices
 from .ledger import State
 from .messages import Kind, Notification, encode_notification
 from .modes import DecodeMode, Load, PrefillMode
@@ -79,7 +79,7 @@ class PullReads(DecodeMode):
             return
         self._renewals.pop((params.engine_id, params.request_id), None)
         e._silent.add(rid)
-        e.load(rid, params, [], 0)
+        e.load(rid, params, ((),) * len(e.groups), 0)
 
     # ----- posting --------------------------------------------------------------
     def _post(self, ld: Load) -> None:
@@ -135,7 +135,7 @@ class PullReads(DecodeMode):
         if not rp.source_ranks:
             return (time.perf_counter() - t0) * 1e6
         remote_blocks = min(peer.infos[q].num_blocks for q in rp.source_ranks)
-        rids = e._group_ids(ld.params.block_ids, remote_blocks, "prefill")
+        rids = group_arrays(ld.params.block_ids, len(e.groups), remote_blocks, "prefill")
         skip = ld.computed_tokens // e.spec.block_size
         msg = encode_notification(Notification(Kind.DONE, ld.remote_id, e.spec.tp_size, e.rank, ld.token),
                                   e.notif_key)

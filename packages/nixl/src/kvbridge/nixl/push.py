@@ -22,7 +22,7 @@ from kvbridge.topology import FailureKind, HeadOrder, Released, TransferParams
 
 from .agent import NixlError, Transfer
 from .config import provisional_spec
-from .groups import flat_ids, pair_indices, split_block_ids
+from .groups import flat_ids, group_arrays, pair_indices
 from .messages import Kind, Notification, encode_notification, parse_notification
 from .modes import DecodeMode, Load, PrefillMode
 from .peers import Peer
@@ -282,7 +282,7 @@ class PushWrites(PrefillMode):
             skip = p.target.computed_tokens // peer.spec.block_size
             read_by = plan.prefill_ranks[e.rank].read_by
             bound = min((peer.infos[r].num_blocks for r in read_by), default=1)
-            target_ids = split_block_ids(p.target.block_ids, len(e.groups), bound, "decode")
+            target_ids = group_arrays(p.target.block_ids, len(e.groups), bound, "decode")
             msg = self._written(p) if layers is None else b""
             for r in read_by:
                 ti, mi = pair_indices(peer.descs[r], e.groups, target_ids, p.groups, skip=skip,

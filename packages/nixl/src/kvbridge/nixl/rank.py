@@ -46,7 +46,7 @@ from .config import (
     engine_compat_info,
     provisional_spec,
 )
-from .groups import engine_groups, split_block_ids
+from .groups import engine_groups
 from .messages import notification_key
 from .peers import Peer, PeerTable
 from .stats import Stats
@@ -289,10 +289,6 @@ class RankEngine:
                                                       self.config.allow_strided)
             peer.descs[q] = rd
         peer.phases_ms = ((t1 - t0) * 1e3, (t2 - t1) * 1e3, (time.perf_counter() - t2) * 1e3)
-
-    def _group_ids(self, ids, num_blocks: int, what: str) -> tuple:
-        """Block ids (flat, or one list per group) as one checked array per group."""
-        return split_block_ids(ids, len(self.groups), num_blocks, what)
 
     def _remote_geometry(self, peer: Peer, q: int) -> RegionGeometry:
         """Peer rank ``q``'s regions from its handshake numbers (checked against its description)."""

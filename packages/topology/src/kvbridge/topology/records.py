@@ -121,6 +121,7 @@ class TransferParams:
         _check_int("port", self.port, 0, 65535)
         _check_int("tp_size", self.tp_size, 1)
         _check_int("computed_tokens", self.computed_tokens, 0)
+        object.__setattr__(self, "block_ids", per_group_block_ids(self.block_ids, "TransferParams.block_ids"))
 
 
 @dataclass(frozen=True)
