@@ -58,7 +58,7 @@ class PrefillEngine(RankEngine):
         return plan.prefill_ranks[self.rank].consumer_ranks
 
     # planning hooks (push mode: the peer is a decode engine)
-    def _plan_for(self, peer_spec: EngineSpec) -> TransferPlan:
+    def plan_for(self, peer_spec: EngineSpec) -> TransferPlan:
         return plan_transfer(kernel_spec(self.spec), kernel_spec(peer_spec))
 
     def _peer_ranks(self, plan: TransferPlan) -> tuple[list[int], list[int]]:
