@@ -53,3 +53,10 @@ def test_block_ids_are_one_tuple_per_group_stored_as_tuples():
 def test_block_ids_of_the_wrong_shape_are_refused_saying_what_to_pass(ids, says):
     with pytest.raises(ValueError, match=says):
         _params(block_ids=ids)
+
+
+def test_the_flat_list_advice_shows_a_valid_value():
+    with pytest.raises(ValueError, match=r": \(\(7,\),\) for an engine"):
+        _params(block_ids=[7])
+    with pytest.raises(ValueError, match=r": \(\(1, 2, 3, \.\.\.\),\) for an engine"):
+        _params(block_ids=[1, 2, 3, 4])

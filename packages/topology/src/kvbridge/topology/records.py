@@ -59,10 +59,10 @@ def per_group_block_ids(ids: object, what: str = "block_ids") -> BlockIds:
         raise ValueError(f"{what} names no KV-cache group: pass one tuple of block ids per group "
                          "(an engine without declared groups has one: ((),) for no blocks)")
     if any(isinstance(g, int) or _is_scalar(g) for g in groups):
-        shown = ", ".join(str(g) for g in groups[:3]) + (", ..." if len(groups) > 3 else "")
+        shown = repr(tuple(groups)) if len(groups) <= 3 else f"({', '.join(map(str, groups[:3]))}, ...)"
         raise ValueError(
             f"{what} is a flat list of block ids; pass one tuple per KV-cache group, in the "
-            f"order of EngineSpec.groups: (({shown}),) for an engine with one group"
+            f"order of EngineSpec.groups: ({shown},) for an engine with one group"
         )
     return tuple(_group(g, what, i) for i, g in enumerate(groups))
 
