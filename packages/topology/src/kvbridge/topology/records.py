@@ -31,8 +31,8 @@ def _group(ids: object, what: str, index: int) -> tuple[int, ...]:
             f"{what}: group {index} must be a tuple of block ids, got {ids!r}; pass one tuple "
             "per KV-cache group, e.g. ((3, 4, 5),) for an engine with one group"
         )
-    if type(ids) is tuple and all(type(b) is int and b >= 0 for b in ids):
-        return ids  # the common case, already in shape
+    if type(ids) in (tuple, list) and set(map(type, ids)) <= {int} and (not ids or min(ids) >= 0):
+        return tuple(ids)  # the common case: Python ints (a tuple is returned as is)
     out = []
     for b in ids:
         try:
