@@ -60,9 +60,9 @@ class Pair:
     def hold(self, rid, blocks, seed=1, token=None):
         kv = logical_kv(self.p_spec, seed, len(blocks) * self.p_spec.block_size)
         self.fill(kv, blocks)
-        params = self.pre[0].hold(rid, blocks, token)
+        params = self.pre[0].hold(rid, (blocks,), token)
         for e in self.pre[1:]:
-            e.hold(rid, blocks, params.token)
+            e.hold(rid, (blocks,), params.token)
         return params
 
     def run(self, until, timeout=15.0):
@@ -94,7 +94,7 @@ def pair():
 
 def test_pull_verifies_and_releases(pair):
     params = pair.hold("a", [3, 1, 7])
-    pair.dec.load("a", params, [9, 10, 2])
+    pair.dec.load("a", params, ([9, 10, 2],))
     done, failed, released = pair.run(lambda d, f, r: len(d) == 1 and len(r) == 2)
     assert done == ["a"] and not failed
     assert {(r.request_id, r.reason) for r in released} == {("a", "notified")}
@@ -106,10 +106,10 @@ def test_reads_posted_on_the_callers_thread():
     poll() that applies the handshake (peer new)."""
     pair = Pair(replace(CFG, post_in_background=False))
     try:
-        pair.dec.load("a", pair.hold("a", [3, 1]), [9, 10])  # new peer: posted once handshaken
+        pair.dec.load("a", pair.hold("a", [3, 1]), ([9, 10],))  # new peer: posted once handshaken
         done, failed, _ = pair.run(lambda d, f, r: d == ["a"] and len(r) == 2)
         assert not failed
-        pair.dec.load("b", pair.hold("b", [5], seed=2), [4])  # peer ready: posted inside load()
+        pair.dec.load("b", pair.hold("b", [5], seed=2), ([4],))  # peer ready: posted inside load()
         assert pair.dec.stats.posts == 2
         done, failed, _ = pair.run(lambda d, f, r: d == ["b"] and len(r) == 2)
         assert not failed and pair.dec.stats.handshakes == 1
@@ -126,7 +126,7 @@ def test_the_posting_thread_checks_its_reads(monkeypatch, seconds):
     only poll() checks it."""
     pair = Pair(replace(CFG, complete_in_background_s=seconds))
     try:
-        pair.dec.load("warm", pair.hold("warm", [2]), [3])
+        pair.dec.load("warm", pair.hold("warm", [2]), ([3],))
         pair.run(lambda d, f, r: "warm" in d and len(r) == 2)
         callers: list[str] = []
         real_state = pair.dec.agent.state
@@ -136,7 +136,7 @@ def test_the_posting_thread_checks_its_reads(monkeypatch, seconds):
             return real_state(x)
 
         monkeypatch.setattr(pair.dec.agent, "state", spy)
-        pair.dec.load("a", pair.hold("a", [1, 4], seed=3), [6, 7])
+        pair.dec.load("a", pair.hold("a", [1, 4], seed=3), ([6, 7],))
         t_end = time.monotonic() + 10
         while pair.dec._events.empty() and time.monotonic() < t_end:  # the worker's "posted" event
             time.sleep(0.001)
@@ -154,9 +154,9 @@ def test_the_posting_thread_checks_its_reads(monkeypatch, seconds):
 
 
 def test_requests_wait_for_the_handshake_and_fail_with_it(pair):
-    dead = TransferParams("ghost", "127.0.0.1", 1, 2, (1, 2), "tok")
-    pair.dec.load("x", dead, [4, 5])
-    pair.dec.load("y", dead, [6])
+    dead = TransferParams("ghost", "127.0.0.1", 1, 2, ((1, 2),), "tok")
+    pair.dec.load("x", dead, ([4, 5],))
+    pair.dec.load("y", dead, ([6],))
     assert pair.dec.pending == 2  # load() returned at once; the handshake runs in the background
     _, failed, _ = pair.run(lambda d, f, r: len(f) == 2)
     assert {f.request_id: f.invalid_block_ids for f in failed} == {"x": (4, 5), "y": (6,)}
@@ -166,7 +166,7 @@ def test_requests_wait_for_the_handshake_and_fail_with_it(pair):
 
 def test_wrong_token_notification_is_ignored(pair):
     params = pair.hold("a", [1])
-    pair.dec.load("a", replace(params, token="not-the-token"), [2])
+    pair.dec.load("a", replace(params, token="not-the-token"), ([2],))
     done, _, released = pair.run(lambda d, f, r: len(d) == 1)
     time.sleep(0.2)
     for e in pair.pre:
@@ -189,13 +189,13 @@ def test_lease_expires_when_decode_never_reads():
 def test_decode_renews_the_lease_while_a_transfer_is_slow(monkeypatch):
     pair = Pair(replace(CFG, lease_s=0.5, renew_interval_s=0.1))
     try:
-        pair.dec.load("warm", pair.hold("warm", [2]), [3])
+        pair.dec.load("warm", pair.hold("warm", [2]), ([3],))
         pair.run(lambda d, f, r: "warm" in d and len(r) == 2)
         # the READ of "a" is held back and looks in progress for 1.5 s (three leases)
         monkeypatch.setattr(pair.dec.agent, "post", lambda x: "PROC")
         monkeypatch.setattr(pair.dec.agent, "state", lambda x: "PROC")
         params = pair.hold("a", [1])
-        pair.dec.load("a", params, [4])
+        pair.dec.load("a", params, ([4],))
         t_end = time.monotonic() + 1.5
         while time.monotonic() < t_end:
             assert pair.dec.poll().failed == []
@@ -209,12 +209,12 @@ def test_decode_renews_the_lease_while_a_transfer_is_slow(monkeypatch):
 
 
 def test_prefill_restart_triggers_a_new_handshake(pair):
-    pair.dec.load("a", pair.hold("a", [1]), [1])
+    pair.dec.load("a", pair.hold("a", [1]), ([1],))
     pair.run(lambda d, f, r: d == ["a"])
     old_agents = set(pair.dec.agent.remote_agents)
     pair.stop_prefill()
     pair.start_prefill()  # same engine id, new incarnation, new port, new agents
-    pair.dec.load("b", pair.hold("b", [2], seed=2), [5])
+    pair.dec.load("b", pair.hold("b", [2], seed=2), ([5],))
     done, failed, _ = pair.run(lambda d, f, r: d or f)
     assert done == ["b"] and not failed
     assert pair.dc.verify(logical_kv(P, 2, 16), [5], 0, 16) == 0
@@ -224,7 +224,7 @@ def test_prefill_restart_triggers_a_new_handshake(pair):
 
 def test_prefill_restart_on_the_same_port_is_found_by_incarnation(pair):
     """Same engine id, host and port, new incarnation: only TransferParams.incarnation tells."""
-    pair.dec.load("a", pair.hold("a", [1]), [1])
+    pair.dec.load("a", pair.hold("a", [1]), ([1],))
     pair.run(lambda d, f, r: d == ["a"])
     address, old_inc = pair.pre[0].address, pair.pre[0].incarnation
     old_agents = set(pair.dec.agent.remote_agents)
@@ -232,7 +232,7 @@ def test_prefill_restart_on_the_same_port_is_found_by_incarnation(pair):
     pair.start_prefill(port=address[1])
     params = pair.hold("b", [2], seed=2)
     assert (params.host, params.port) == address and params.incarnation != old_inc
-    pair.dec.load("b", params, [5])
+    pair.dec.load("b", params, ([5],))
     done, failed, _ = pair.run(lambda d, f, r: d or f)
     assert done == ["b"] and not failed
     assert pair.dc.verify(logical_kv(P, 2, 16), [5], 0, 16) == 0
@@ -260,7 +260,7 @@ def test_a_handshake_superseded_by_a_restart_leaves_nothing_behind(pair):
     pair.stop_prefill()
     pair.start_prefill(port=address[1])  # same host and port, new incarnation
     params = pair.hold("b", [2], seed=2)
-    pair.dec.load("b", params, [5])  # supersedes the old incarnation's peer
+    pair.dec.load("b", params, ([5],))  # supersedes the old incarnation's peer
     gate.set()
     done, failed, _ = pair.run(lambda d, f, r: d or f)
     assert done == ["b"] and not failed
@@ -277,7 +277,7 @@ def test_a_read_that_never_completes_times_out(monkeypatch, nixl_refuses_release
     its transfer handle is released (at once, or on a later poll when NIXL refused at first)."""
     pair = Pair(replace(CFG, transfer_timeout_s=0.5))
     try:
-        pair.dec.load("warm", pair.hold("warm", [2]), [3])
+        pair.dec.load("warm", pair.hold("warm", [2]), ([3],))
         pair.run(lambda d, f, r: "warm" in d and len(r) == 2)
         base = pair.dec.resource_counts()
         agent = pair.dec.agent
@@ -286,7 +286,7 @@ def test_a_read_that_never_completes_times_out(monkeypatch, nixl_refuses_release
         monkeypatch.setattr(agent, "state", lambda x: "PROC")
         monkeypatch.setattr(agent, "release_transfer",
                             lambda x: False if refusing[0] and not x.released else real_release(x))
-        pair.dec.load("a", pair.hold("a", [1, 4], seed=3), [6, 7])
+        pair.dec.load("a", pair.hold("a", [1, 4], seed=3), ([6, 7],))
         t0 = time.monotonic()
         done, failed, _ = pair.run(lambda d, f, r: d or f, timeout=5)
         elapsed = time.monotonic() - t0
@@ -302,7 +302,7 @@ def test_a_read_that_never_completes_times_out(monkeypatch, nixl_refuses_release
             pair.dec.poll()
         assert pair.dec.resource_counts() == base
         monkeypatch.undo()
-        pair.dec.load("b", pair.hold("b", [5], seed=4), [8])  # the peer was not dropped
+        pair.dec.load("b", pair.hold("b", [5], seed=4), ([8],))  # the peer was not dropped
         done, failed, _ = pair.run(lambda d, f, r: d or f)
         assert done == ["b"] and not failed and pair.dec.stats.handshakes == 1
         assert pair.dec.resource_counts() == base
@@ -312,7 +312,7 @@ def test_a_read_that_never_completes_times_out(monkeypatch, nixl_refuses_release
 
 def test_full_prefix_hit_notifies_without_reading(pair):
     params = pair.hold("a", [1, 2])
-    pair.dec.load("a", params, [], computed_tokens=32)
+    pair.dec.load("a", params, ((),), computed_tokens=32)
     done, _, released = pair.run(lambda d, f, r: d and len(r) == 2)
     assert done == ["a"] and pair.dec.stats.transfers == 0
     assert {r.reason for r in released} == {"notified"}
@@ -320,27 +320,27 @@ def test_full_prefix_hit_notifies_without_reading(pair):
 
 def test_bad_local_block_ids_are_refused(pair):
     with pytest.raises(ValueError, match="outside"):
-        pair.dec.load("a", TransferParams("prefill", "127.0.0.1", 1, 2, (1,), "t"), [NB])
+        pair.dec.load("a", TransferParams("prefill", "127.0.0.1", 1, 2, ((1,),), "t"), ([NB],))
 
 
 def test_remote_block_ids_out_of_range_fail_the_request(pair):
     params = pair.hold("a", [1])
-    pair.dec.load("a", replace(params, block_ids=(NB + 5,)), [1])
+    pair.dec.load("a", replace(params, block_ids=((NB + 5,),)), ([1],))
     _, failed, _ = pair.run(lambda d, f, r: f)
     assert failed[0].kind is FailureKind.POST and "outside" in failed[0].message
 
 
 def test_no_growth_after_many_requests(pair):
-    pair.dec.load("warm", pair.hold("warm", [0]), [0])
+    pair.dec.load("warm", pair.hold("warm", [0]), ([0],))
     pair.run(lambda d, f, r: d)
     base_d = pair.dec.resource_counts()
     base_p = [e.resource_counts() for e in pair.pre]
     n = 1000
     for i in range(n):
         rid = f"r{i}"
-        params = pair.pre[0].hold(rid, [i % NB])
-        pair.pre[1].hold(rid, [i % NB], params.token)
-        pair.dec.load(rid, params, [(i * 7) % NB])
+        params = pair.pre[0].hold(rid, ([i % NB],))
+        pair.pre[1].hold(rid, ([i % NB],), params.token)
+        pair.dec.load(rid, params, ([(i * 7) % NB],))
         if i % 50 == 49:
             pair.run(lambda d, f, r, i=i: pair.dec.pending == 0 and all(e.held == 0 for e in pair.pre))
     pair.run(lambda d, f, r: pair.dec.pending == 0 and all(e.held == 0 for e in pair.pre))
@@ -352,7 +352,7 @@ def test_no_growth_after_many_requests(pair):
 
 def test_close_releases_everything():
     pair = Pair()
-    pair.dec.load("a", pair.hold("a", [1]), [1])
+    pair.dec.load("a", pair.hold("a", [1]), ([1],))
     pair.run(lambda d, f, r: d)
     agent = pair.dec.agent
     pair.close()
@@ -366,10 +366,10 @@ def _push(pair, rid, p_blocks, d_blocks, seed, **expect_kw):
     kv = logical_kv(pair.p_spec, seed, ntok)
     pair.fill(kv, p_blocks)
     host, port = pair.dec.address
-    target = TransferParams("decode", host, port, 1, tuple(d_blocks), "tok-" + rid)
-    pair.dec.expect(rid, "prefill", pair.p_spec.tp_size, "tok-" + rid, d_blocks, **expect_kw)
+    target = TransferParams("decode", host, port, 1, (tuple(d_blocks),), "tok-" + rid)
+    pair.dec.expect(rid, "prefill", pair.p_spec.tp_size, "tok-" + rid, (d_blocks,), **expect_kw)
     for e in pair.pre:
-        e.push(rid, p_blocks, target)
+        e.push(rid, (p_blocks,), target)
     return kv
 
 
@@ -437,7 +437,7 @@ def test_a_failed_rearrangement_fails_the_request(monkeypatch):
 def test_push_expect_with_no_blocks_completes_and_keeps_nothing():
     pair = Pair(replace(CFG, mode="push"))
     try:
-        pair.dec.expect("a", "prefill", 2, "tok", [])
+        pair.dec.expect("a", "prefill", 2, "tok", ((),))
         assert pair.dec.poll().done == ["a"]
         assert pair.dec.pending == 0 and not pair.dec._loads
     finally:
@@ -448,9 +448,9 @@ def test_push_expect_refuses_prefill_geometry_it_cannot_plan():
     pair = Pair(replace(CFG, mode="push"))
     try:
         with pytest.raises(ValueError, match="multiple|divid"):
-            pair.dec.expect("a", "prefill", 2, "tok", [1], prefill_block_size=12)
+            pair.dec.expect("a", "prefill", 2, "tok", ([1],), prefill_block_size=12)
         with pytest.raises(ValueError, match="HND"):  # heads split across ranks need HND
-            pair.dec.expect("b", "prefill", 2, "tok", [1], prefill_head_order="NHD")
+            pair.dec.expect("b", "prefill", 2, "tok", ([1],), prefill_head_order="NHD")
         assert pair.dec.pending == 0
     finally:
         pair.close()
@@ -462,7 +462,7 @@ def test_kernel_split_decode_blocks_receive_every_byte():
     pair = Pair(d_spec=d_split)
     try:
         params = pair.hold("a", [1, 2, 6, 7], seed=4)
-        pair.dec.load("a", params, [3, 5])
+        pair.dec.load("a", params, ([3, 5],))
         done, failed, released = pair.run(lambda d, f, r: d and len(r) == 2)
         assert done == ["a"] and not failed
         kernel_ids = kernel_block_ids([3, 5], 2)
@@ -482,9 +482,9 @@ def test_block_size_mismatch_is_post_processed_by_the_engine():
         kv = logical_kv(p8, 7, 32)
         for c in pair.pc:
             c.fill(kv, [5, 0, 9, 2])
-        params = pair.pre[0].hold("a", [5, 0, 9, 2])
-        pair.pre[1].hold("a", [5, 0, 9, 2], params.token)
-        pair.dec.load("a", params, [4, 11])
+        params = pair.pre[0].hold("a", ([5, 0, 9, 2],))
+        pair.pre[1].hold("a", ([5, 0, 9, 2],), params.token)
+        pair.dec.load("a", params, ([4, 11],))
         done, failed, _ = pair.run(lambda d, f, r: d)
         assert done == ["a"] and not failed
         assert pair.dc.verify(kv, [4, 11], 0, 32) == 0
@@ -513,7 +513,7 @@ def test_cross_layer_prefill_to_kv_first_decode():
     pair = Pair(p_spec=p_cross)
     try:
         params = pair.hold("a", [6, 2, 3], seed=9)
-        pair.dec.load("a", params, [1, 12, 13])
+        pair.dec.load("a", params, ([1, 12, 13],))
         done, failed, released = pair.run(lambda d, f, r: d and len(r) == 2)
         assert done == ["a"] and not failed
         assert pair.dc.verify(logical_kv(p_cross, 9, 48), [1, 12, 13], 0, 48) == 0
@@ -525,7 +525,7 @@ def test_decode_may_use_its_own_request_id(pair):
     """vLLM gives the request another id on each engine: notifications name the prefill id."""
     params = pair.hold("p-17", [3, 4], seed=5)
     assert params.request_id == "p-17"
-    pair.dec.load("d-99", params, [6, 7])
+    pair.dec.load("d-99", params, ([6, 7],))
     done, failed, released = pair.run(lambda d, f, r: d and len(r) == 2)
     assert done == ["d-99"] and not failed
     assert {(r.request_id, r.reason) for r in released} == {("p-17", "notified")}
@@ -547,7 +547,7 @@ def test_prepare_and_renew_keep_a_queued_request_alive():
                 assert e.poll() == [], "the lease lapsed although the decode side renewed it"
             time.sleep(0.05)
         assert pair.dec.stats.handshakes == 1 and pair.dec.stats.leases_renewed >= 4
-        pair.dec.load("a", params, [2])
+        pair.dec.load("a", params, ([2],))
         done, failed, released = pair.run(lambda d, f, r: d and len(r) == 2)
         assert done == ["a"] and not failed and pair.dec.stats.handshakes == 1
         assert pair.dc.verify(logical_kv(P, 6, 16), [2], 0, 16) == 0
@@ -572,7 +572,7 @@ def test_release_frees_prefill_blocks_without_reporting(pair):
 def test_transfer_records_are_kept_on_request():
     pair = Pair(replace(CFG, record_transfers=True))
     try:
-        pair.dec.load("a", pair.hold("a", [1, 2]), [3, 4])
+        pair.dec.load("a", pair.hold("a", [1, 2]), ([3, 4],))
         pair.run(lambda d, f, r: d and len(r) == 2)
         recs = pair.dec.take_records()
         assert len(recs) == 2  # one READ per prefill rank
@@ -588,11 +588,11 @@ def test_stats_count_descriptors_posted_and_merged_by_nixl():
     pair = Pair(p_spec=replace(P, tp_size=1))
     try:
         regions = 2 * 2  # 2 layers x K, V (kv-first)
-        pair.dec.load("run", pair.hold("run", [1, 2, 3]), [4, 5, 6])
+        pair.dec.load("run", pair.hold("run", [1, 2, 3]), ([4, 5, 6],))
         pair.run(lambda d, f, r: d and r)
         s = pair.dec.stats
         assert (s.descriptors_posted, s.descriptors) == (3 * regions, regions)
-        pair.dec.load("gaps", pair.hold("gaps", [7, 9, 11]), [8, 10, 12])
+        pair.dec.load("gaps", pair.hold("gaps", [7, 9, 11]), ([8, 10, 12],))
         pair.run(lambda d, f, r: "gaps" in d and r)
         assert (s.descriptors_posted, s.descriptors) == (6 * regions, 4 * regions)  # no merging
     finally:
@@ -607,7 +607,7 @@ def test_compatibility_check_can_be_turned_off():
             pair.dec.close()
             pair.dec = DecodeEngine(D, 0, pair.dc.cache_regions(),
                                     replace(CFG, enforce_compat=enforce, model="another-model"))
-            pair.dec.load("a", pair.hold("a", [1]), [1])
+            pair.dec.load("a", pair.hold("a", [1]), ([1],))
             done, failed, _ = pair.run(lambda d, f, r: d or f)
             assert bool(done) is want_done, (enforce, failed)
             if not want_done:
@@ -631,10 +631,10 @@ def test_packed_caches_move_head_slices(order):
         kv = logical_kv(p_spec, 11, 40)  # 40 tokens: the last block is partial
         for c in pair.pc:
             c.fill(kv, [2, 5, 6])
-        params = pair.pre[0].hold("a", [2, 5, 6])
+        params = pair.pre[0].hold("a", ([2, 5, 6],))
         for e in pair.pre[1:]:
-            e.hold("a", [2, 5, 6], params.token)
-        pair.dec.load("a", params, [8, 1, 3])
+            e.hold("a", ([2, 5, 6],), params.token)
+        pair.dec.load("a", params, ([8, 1, 3],))
         done, failed, released = pair.run(lambda d, f, r: d and len(r) == p_tp)
         assert done == ["a"] and not failed
         assert pair.dc.verify(kv, [8, 1, 3], 0, 40) == 0
@@ -689,7 +689,7 @@ def test_a_renewal_ordered_with_the_load_sends_no_late_renew(pair):
     renews its own lease, so no RENEW may reach the prefill after the DONE (where it would
     be an unknown request)."""
     params = pair.hold("a", [1], seed=7)
-    pair.dec.load("a", params, [2])
+    pair.dec.load("a", params, ([2],))
     pair.dec.renew(params)  # same step, after the load
     assert pair.dec.mode._renewals == {}  # nothing queued to send after the DONE
     done, failed, released = pair.run(lambda d, f, r: d and len(r) == 2)
@@ -699,7 +699,7 @@ def test_a_renewal_ordered_with_the_load_sends_no_late_renew(pair):
     params = pair.hold("b", [3], seed=8)
     pair.dec.renew(params)
     assert len(pair.dec.mode._renewals) == 1
-    pair.dec.load("b", params, [4])
+    pair.dec.load("b", params, ([4],))
     assert pair.dec.mode._renewals == {}
     done, failed, released = pair.run(lambda d, f, r: d and len(r) == 2)
     assert done == ["b"] and not failed

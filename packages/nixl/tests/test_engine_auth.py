@@ -51,7 +51,7 @@ def keyed():
 
 def warm(pair: Pair) -> None:
     """One request end to end, so the decode rank knows the prefill agents."""
-    pair.dec.load("warm", pair.hold("warm", [2], seed=9), [3])
+    pair.dec.load("warm", pair.hold("warm", [2], seed=9), ([3],))
     done, failed, _ = pair.run(lambda d, f, r: "warm" in d and len(r) == 2)
     assert not failed
 
@@ -80,7 +80,7 @@ def poll_prefill(pair: Pair, seconds: float = 0.3) -> list:
 
 def test_keyed_engines_move_and_release(keyed):
     params = keyed.hold("a", [3, 1, 7])
-    keyed.dec.load("a", params, [9, 10, 2])
+    keyed.dec.load("a", params, ([9, 10, 2],))
     done, failed, released = keyed.run(lambda d, f, r: len(d) == 1 and len(r) == 2)
     assert done == ["a"] and not failed
     assert {(r.request_id, r.reason) for r in released} == {("a", "notified")}
@@ -126,7 +126,7 @@ def test_forged_renewals_do_not_keep_a_lease_but_real_ones_do():
         assert len(expired) == 2
         for e in pair.pre:
             assert e.held == 1 and e.stats.notifications_unauthenticated > 0
-        pair.dec.load("kept", kept, [6])
+        pair.dec.load("kept", kept, ([6],))
         done, failed, released = pair.run(lambda d, f, r: d and len(r) == 2)
         assert done == ["kept"] and not failed
         assert {r.reason for r in released} == {"notified"}
@@ -142,7 +142,7 @@ def test_notifications_without_a_key_stay_as_they_were(keyed):
     try:
         assert pair.dec.notif_key is None
         params = pair.hold("a", [1])
-        pair.dec.load("a", params, [2])
+        pair.dec.load("a", params, ([2],))
         done, failed, _ = pair.run(lambda d, f, r: d and len(r) == 2)
         assert done == ["a"] and not failed and not pair.prefill.server.authenticated
     finally:
@@ -158,7 +158,7 @@ def test_mismatched_keys_fail_the_handshake_with_the_blocks(decode_key, prefill_
     pair = mixed_pair(replace(CFG, auth_key=decode_key), replace(CFG, auth_key=prefill_key))
     try:
         params = pair.hold("a", [1, 2])
-        pair.dec.load("a", params, [4, 5])
+        pair.dec.load("a", params, ([4, 5],))
         _, failed, released = pair.run(lambda d, f, r: len(f) == 1)
         (f,) = failed
         assert f.kind is FailureKind.HANDSHAKE and f.invalid_block_ids == (4, 5)

@@ -126,7 +126,7 @@ def test_a_rank_holding_only_duplicate_heads_gives_mamba_state_only(mode):
     eng = Engines(hybrid("prefill", 2, kv_heads=1), hybrid("decode", 1, kv_heads=1),
                   replace(CFG, mode=mode))
     try:
-        plan = eng.d.engines[0]._plan_for(eng.p.spec).decode_ranks[0]
+        plan = eng.d.engines[0].plan_for(eng.p.spec).decode_ranks[0]
         assert plan.mamba.fa_source_ranks == (0,) and plan.mamba.fa_emptied_ranks == (1,)
         content = logical_content(eng.p.spec, 6, 32)
         p_ids, d_ids = [[1, 2], [NULL, 3]], [[4, 5], [NULL, 6]]

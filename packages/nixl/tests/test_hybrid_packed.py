@@ -125,7 +125,7 @@ def test_nhd_packed_hybrids_split_by_head_are_refused(p_tp, d_tp):
                   replace(CFG, mode="pull"))
     try:
         with pytest.raises(TopologyError, match=r"HND \(vLLM's LBHNC layout"):
-            eng.d.engines[0]._plan_for(eng.p.spec)
+            eng.d.engines[0].plan_for(eng.p.spec)
     finally:
         eng.close()
 

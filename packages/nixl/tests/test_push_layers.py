@@ -27,7 +27,7 @@ def pair():
 
 def _target(pair, rid, d_blocks):
     host, port = pair.dec.address
-    return TransferParams("decode", host, port, 1, tuple(d_blocks), "tok-" + rid)
+    return TransferParams("decode", host, port, 1, (tuple(d_blocks),), "tok-" + rid)
 
 
 def _fill(pair, p_blocks, seed):
@@ -63,9 +63,9 @@ def test_each_layer_lands_when_named_and_decode_is_told_once_all_did(pair):
     d_blocks, p_blocks = [3, 7], [5, 6]
     kv = _fill(pair, p_blocks, seed=11)
     ntok = len(p_blocks) * pair.p_spec.block_size
-    pair.dec.expect("a", "prefill", pair.p_spec.tp_size, "tok-a", d_blocks)
+    pair.dec.expect("a", "prefill", pair.p_spec.tp_size, "tok-a", (d_blocks,))
     for e in pair.pre:
-        e.push_start("a", p_blocks, _target(pair, "a", d_blocks))
+        e.push_start("a", (p_blocks,), _target(pair, "a", d_blocks))
     for e in pair.pre:
         e.push_layers("a", [0, 1])
     # layers 0 and 1 arrive, 2 and 3 are untouched, and decode is not told anything yet
@@ -93,10 +93,10 @@ def test_each_layer_lands_when_named_and_decode_is_told_once_all_did(pair):
 def test_layers_named_before_the_handshake_are_written_after_it(pair):
     d_blocks, p_blocks = [1], [2]
     kv = _fill(pair, p_blocks, seed=5)
-    pair.dec.expect("b", "prefill", pair.p_spec.tp_size, "tok-b", d_blocks)
+    pair.dec.expect("b", "prefill", pair.p_spec.tp_size, "tok-b", (d_blocks,))
     for e in pair.pre:
         assert e.peers.get("decode") is None
-        e.push_start("b", p_blocks, _target(pair, "b", d_blocks))
+        e.push_start("b", (p_blocks,), _target(pair, "b", d_blocks))
         e.push_layers("b", [3])
         e.push_layers("b", [0])
         e.push_finish("b")
@@ -109,7 +109,7 @@ def test_written_before_expect_is_kept_and_applied(pair):
     d_blocks, p_blocks = [4], [9]
     kv = _fill(pair, p_blocks, seed=2)
     for e in pair.pre:
-        e.push("c", p_blocks, _target(pair, "c", d_blocks))
+        e.push("c", (p_blocks,), _target(pair, "c", d_blocks))
     # the prefill ranks finish and notify before decode expects the request
     _, _, released = _drain(pair, 0.0)
     end = time.monotonic() + 10
@@ -117,7 +117,7 @@ def test_written_before_expect_is_kept_and_applied(pair):
         released += _drain(pair, 0.02)[2]
     assert len(released) == 2
     _wait_written(pair, lambda: pair.dec.stats.notifications_received == 2)
-    pair.dec.expect("c", "prefill", pair.p_spec.tp_size, "tok-c", d_blocks)
+    pair.dec.expect("c", "prefill", pair.p_spec.tp_size, "tok-c", (d_blocks,))
     done, failed, _ = pair.run(lambda d, f, r: d)
     assert done == ["c"] and not failed
     assert pair.dc.verify(kv, d_blocks, 0, pair.p_spec.block_size) == 0
@@ -130,7 +130,7 @@ def test_unclaimed_early_notifications_expire_as_unknown():
         pair.dec.serve()
         _fill(pair, [1], seed=1)
         for e in pair.pre:
-            e.push("x", [1], _target(pair, "x", [2]))
+            e.push("x", ([1],), _target(pair, "x", [2]))
         _drain(pair, 0.2)
         assert pair.dec.stats.notifications_unknown == 0
         _drain(pair, 0.5)
@@ -143,15 +143,15 @@ def test_layered_push_refuses_what_it_cannot_do(pair):
     e = pair.pre[0]
     with pytest.raises(ValueError, match="no layered push"):
         e.push_layers("nope", [0])
-    e.push_start("d", [1], _target(pair, "d", [1]))
+    e.push_start("d", ([1],), _target(pair, "d", [1]))
     with pytest.raises(ValueError, match="already being pushed"):
-        e.push_start("d", [1], _target(pair, "d", [1]))
+        e.push_start("d", ([1],), _target(pair, "d", [1]))
     with pytest.raises(ValueError, match="outside this model's 4 layers"):
         e.push_layers("d", [4])
     e.push_finish("d")
     with pytest.raises(ValueError, match="no more layers"):
         e.push_layers("d", [0])
-    e.push("w", [2], _target(pair, "w", [2]))
+    e.push("w", ([2],), _target(pair, "w", [2]))
     with pytest.raises(ValueError, match="no layered push"):
         e.push_finish("w")
 
@@ -160,7 +160,7 @@ def test_layered_push_needs_push_mode():
     pair = Pair(CFG)
     try:
         with pytest.raises(ValueError, match="push_start\\(\\) needs an engine configured with mode='push'"):
-            pair.pre[0].push_start("a", [1], TransferParams("decode", "127.0.0.1", 1, 1, (1,), "t"))
+            pair.pre[0].push_start("a", ([1],), TransferParams("decode", "127.0.0.1", 1, 1, ((1,),), "t"))
     finally:
         pair.close()
 
@@ -169,15 +169,15 @@ def test_layered_push_needs_push_mode():
 def test_notifications_name_the_decode_engines_request_id(pair, layered):
     d_blocks, p_blocks = [6], [3]
     kv = _fill(pair, p_blocks, seed=9)
-    pair.dec.expect("dec-9", "prefill", pair.p_spec.tp_size, "tok-9", d_blocks)
+    pair.dec.expect("dec-9", "prefill", pair.p_spec.tp_size, "tok-9", (d_blocks,))
     host, port = pair.dec.address
-    target = TransferParams("decode", host, port, 1, tuple(d_blocks), "tok-9", request_id="dec-9")
+    target = TransferParams("decode", host, port, 1, (tuple(d_blocks),), "tok-9", request_id="dec-9")
     for e in pair.pre:
         if layered:
-            e.push_start("pre-9", p_blocks, target)
+            e.push_start("pre-9", (p_blocks,), target)
             e.push_finish("pre-9")
         else:
-            e.push("pre-9", p_blocks, target)
+            e.push("pre-9", (p_blocks,), target)
     done, failed, released = pair.run(lambda d, f, r: d and len(r) == 2)
     assert done == ["dec-9"] and not failed
     assert {r.request_id for r in released} == {"pre-9"}

@@ -64,8 +64,8 @@ def test_engine_fileno_wakes_when_reads_are_posted():
     dec, pre = decode.engines[0], prefill.engines[0]
     try:
         prefill.fill(logical_kv(P, 1, 32), [2, 3])
-        params = pre.hold("a", [2, 3])
-        dec.load("a", params, [5, 6])
+        params = pre.hold("a", ([2, 3],))
+        dec.load("a", params, ([5, 6],))
         done: list[str] = []
         woke = 0
         deadline = time.monotonic() + 30

@@ -94,9 +94,9 @@ def test_engines_are_busy_while_blocks_are_held_or_reads_awaited_and_shortly_aft
     try:
         assert not pre._busy() and not dec._busy()
         prefill.fill(logical_kv(P, 1, 32), [2, 3])
-        params = pre.hold("a", [2, 3])
+        params = pre.hold("a", ([2, 3],))
         assert pre._busy()  # the decode rank may READ from now on
-        dec.load("a", params, [5, 6])
+        dec.load("a", params, ([5, 6],))
         assert dec._busy()
         done: list[str] = []
         deadline = time.monotonic() + 30

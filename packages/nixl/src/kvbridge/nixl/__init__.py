@@ -4,7 +4,9 @@ One :class:`PrefillEngine` or :class:`DecodeEngine` per TP rank; see docs/nixl.m
 Engines take :class:`kvbridge.memory.CacheRegions` (or KV-cache tensors) and build
 descriptors with :mod:`kvbridge.memory`, so importing this package imports torch.
 
-Modules, by concept: :mod:`~kvbridge.nixl.config` (records), :mod:`~kvbridge.nixl.agent`
+The plain records it takes and reports (``TransferParams``, ``BlockIds``, ``Failed``,
+``DecodeEvents``, ...) live in :mod:`kvbridge.topology` and are re-exported here.
+Modules, by concept: :mod:`~kvbridge.nixl.config` (knobs), :mod:`~kvbridge.nixl.agent`
 (one NIXL agent), :mod:`~kvbridge.nixl.peers` (remote engines), :mod:`~kvbridge.nixl.worker`
 (the background thread), :mod:`~kvbridge.nixl.rank` (what both roles share),
 :mod:`~kvbridge.nixl.decode` and :mod:`~kvbridge.nixl.prefill` (the two roles),
@@ -15,19 +17,20 @@ Modules, by concept: :mod:`~kvbridge.nixl.config` (records), :mod:`~kvbridge.nix
 caches live in :mod:`kvbridge.nixl.testing`, outside the runtime path.
 """
 
-from .agent import AgentConfig, NixlAgent, NixlError, PreparedList, Telemetry, Transfer
-from .config import (
+from kvbridge.topology import (
+    BlockIds,
     DecodeEvents,
-    EngineConfig,
-    HandshakeFailed,
+    Failed,
+    FailureKind,
+    Released,
     TransferParams,
     TransferRecord,
-    all_cpus,
-    engine_compat_hash,
-    engine_compat_info,
 )
+
+from .agent import AgentConfig, NixlAgent, NixlError, PreparedList, Telemetry, Transfer
+from .config import EngineConfig, HandshakeFailed, all_cpus, engine_compat_hash, engine_compat_info
 from .decode import DecodeEngine
-from .ledger import DecodeTracker, Failed, FailureKind, PrefillLedger, Released
+from .ledger import DecodeTracker, PrefillLedger
 from .messages import (
     Kind,
     Notification,
@@ -40,7 +43,7 @@ from .prefill import PrefillEngine
 from .stats import Stats
 
 __all__ = [
-    "AgentConfig", "DecodeEngine", "DecodeEvents", "DecodeTracker", "EngineConfig",
+    "AgentConfig", "BlockIds", "DecodeEngine", "DecodeEvents", "DecodeTracker", "EngineConfig",
     "Failed", "FailureKind", "HandshakeFailed", "Kind", "NixlAgent", "NixlError", "Notification",
     "PrefillEngine", "PrefillLedger", "PreparedList", "Released", "Stats", "Telemetry",
     "Transfer", "TransferParams", "TransferRecord", "encode_notification", "engine_compat_hash", "engine_compat_info", "new_token", "notification_key",

@@ -84,11 +84,11 @@ class Telemetry:
 class PreparedList:
     """A prepared descriptor list (``prep_xfer_dlist``) owned by a :class:`NixlAgent`."""
 
-    __slots__ = ("_handle", "peer", "num_descs", "strided", "_owner")
+    __slots__ = ("handle", "peer", "num_descs", "strided", "_owner")
 
     def __init__(self, owner: NixlAgent, handle: object, peer: str | None, num_descs: int,
                  strided: bool) -> None:
-        self._handle = handle
+        self.handle = handle  # NIXL's handle (None once released); only the owning agent uses it
         self._owner = owner
         self.peer = peer  # None: local side
         self.num_descs = num_descs
@@ -96,7 +96,7 @@ class PreparedList:
 
     @property
     def released(self) -> bool:
-        return self._handle is None
+        return self.handle is None
 
     def release(self) -> None:
         self._owner.release_list(self)
@@ -105,10 +105,10 @@ class PreparedList:
 class Transfer:
     """One prepared transfer request (``make_prepped_xfer``) owned by a :class:`NixlAgent`."""
 
-    __slots__ = ("_handle", "peer", "op", "num_descs", "_owner")
+    __slots__ = ("handle", "peer", "op", "num_descs", "_owner")
 
     def __init__(self, owner: NixlAgent, handle: object, peer: str, op: str, num_descs: int) -> None:
-        self._handle = handle
+        self.handle = handle  # NIXL's handle (None once released); only the owning agent uses it
         self._owner = owner
         self.peer = peer
         self.op = op
@@ -116,7 +116,7 @@ class Transfer:
 
     @property
     def released(self) -> bool:
-        return self._handle is None
+        return self.handle is None
 
     def release(self) -> bool:
         return self._owner.release_transfer(self)
@@ -316,9 +316,9 @@ class NixlAgent:
 
     def release_list(self, lst: PreparedList) -> None:
         with self._lock:
-            if lst._handle is None:
+            if lst.handle is None:
                 return
-            h, lst._handle = lst._handle, None
+            h, lst.handle = lst.handle, None
             self._lists.discard(lst)
             if self._closed:
                 return
@@ -342,7 +342,7 @@ class NixlAgent:
             if local.released or remote.released:
                 raise NixlError("cannot build a transfer from a released prepared list")
             try:
-                h = self._agent.make_prepped_xfer(op, local._handle, li, remote._handle, ri, notif)
+                h = self._agent.make_prepped_xfer(op, local.handle, li, remote.handle, ri, notif)
             except Exception as exc:
                 raise NixlError(
                     f"agent {self.name!r}: building a {op} of {li.size} descriptors with "
@@ -358,7 +358,7 @@ class NixlAgent:
             if t.released:
                 raise NixlError("cannot post a released transfer")
             try:
-                return self._agent.transfer(t._handle)
+                return self._agent.transfer(t.handle)
             except Exception as exc:
                 raise NixlError(f"agent {self.name!r}: posting a {t.op} to {t.peer!r} failed: {exc}") from exc
 
@@ -366,7 +366,7 @@ class NixlAgent:
         with self._lock:
             self._check()
             try:
-                return self._agent.check_xfer_state(t._handle)
+                return self._agent.check_xfer_state(t.handle)
             except Exception:
                 return "ERR"
 
@@ -375,7 +375,7 @@ class NixlAgent:
             return None
         with self._lock:
             try:
-                tel = self._agent.get_xfer_telemetry(t._handle)
+                tel = self._agent.get_xfer_telemetry(t.handle)
             except Exception:
                 return None
             return Telemetry(int(tel.startTime), int(tel.postDuration), int(tel.xferDuration),
@@ -384,17 +384,17 @@ class NixlAgent:
     def release_transfer(self, t: Transfer) -> bool:
         """Release a transfer handle; False when NIXL refused (an active transfer it cannot cancel)."""
         with self._lock:
-            if t._handle is None:
+            if t.handle is None:
                 return True
             if self._closed:
-                t._handle = None
+                t.handle = None
                 self._transfers.discard(t)
                 return True
             try:
-                t._handle.release()
+                t.handle.release()
             except Exception:
                 return False
-            t._handle = None
+            t.handle = None
             self._transfers.discard(t)
             return True
 

@@ -1,4 +1,9 @@
-"""The engine's records: its knobs, one request's parameters, finished-transfer records, events."""
+"""The engine's knobs and compatibility hash.
+
+The plain records it takes and reports (``TransferParams``, ``TransferRecord``,
+``DecodeEvents``, ...) live in :mod:`kvbridge.topology` (no NIXL, no numpy), and
+:mod:`kvbridge.nixl` re-exports them.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +14,6 @@ from kvbridge.handshake import HandshakeError, compat_fields, compatibility_hash
 from kvbridge.topology import EngineSpec, TopologyError, canonical_dtype
 
 from .agent import AgentConfig
-from .ledger import Failed
 
 MODES = ("pull", "push")
 
@@ -115,57 +119,6 @@ def all_cpus() -> tuple[int, ...]:
     """Every CPU this machine has online (for ``EngineConfig.worker_cpus``: a worker
     thread free to run beside a process whose other threads are bound to one core)."""
     return tuple(range(os.cpu_count() or 1))
-
-
-@dataclass(frozen=True)
-class TransferParams:
-    """One request as a peer engine holds it: where that engine is, its blocks, the token.
-
-    Pull mode: what a prefill engine hands out for a request (:meth:`PrefillEngine.hold`),
-    passed through the router to the decode engine's :meth:`DecodeEngine.load`.
-    ``request_id`` is the id the prefill engine holds the request under; the decode
-    side names it in its notifications. Empty means the decode side uses the same id
-    as the prefill side.
-
-    Push mode: where a prefill engine writes a request (:meth:`PrefillEngine.push`):
-    the decode engine's address, TP size, blocks and the token it expects, and
-    ``computed_tokens``, the tokens the decode engine already holds (a prefix hit:
-    ``block_ids`` start after them). ``request_id`` is the decode engine's id of the
-    request, named in the WRITTEN notifications (empty: the prefill side's id).
-
-    ``block_ids``: a flat tuple of ints for engines with one KV-cache group, or one
-    tuple per group in the order of ``EngineSpec.groups`` (see :mod:`kvbridge.nixl.groups`).
-    """
-
-    engine_id: str
-    host: str
-    port: int
-    tp_size: int
-    block_ids: tuple[int, ...] | tuple[tuple[int, ...], ...]
-    token: str
-    incarnation: str = ""
-    request_id: str = ""
-    computed_tokens: int = 0
-
-
-@dataclass(frozen=True)
-class TransferRecord:
-    """One finished transfer (NIXL telemetry), for callers that keep per-transfer figures."""
-
-    op: str  # "READ" or "WRITE"
-    peer_engine: str
-    bytes: int
-    descriptors: int
-    post_us: int
-    xfer_us: int
-
-
-@dataclass(frozen=True)
-class DecodeEvents:
-    """What :meth:`DecodeEngine.poll` reports: requests done, requests failed."""
-
-    done: list[str]
-    failed: list[Failed]
 
 
 class HandshakeFailed(HandshakeError):

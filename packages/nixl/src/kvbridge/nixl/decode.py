@@ -10,14 +10,23 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable
 
 from kvbridge.memory import kernel_spec, post_process, rank_descriptors
-from kvbridge.topology import EngineSpec, HeadOrder, RankPlan, TransferPlan, plan_transfer
+from kvbridge.topology import (
+    BlockIds,
+    DecodeEvents,
+    EngineSpec,
+    FailureKind,
+    HeadOrder,
+    RankPlan,
+    TransferParams,
+    TransferPlan,
+    plan_transfer,
+)
 
-from .config import DecodeEvents, TransferParams
-from .groups import flat_ids
-from .ledger import DecodeTracker, FailureKind, State
+from .groups import flat_ids, group_arrays
+from .ledger import DecodeTracker, State
 from .modes import DecodeMode, Load
 from .peers import Peer
 from .pull import PullReads
@@ -46,33 +55,34 @@ class DecodeEngine(RankEngine):
         # READs running or WRITEs awaited, or the owner stepped
         return bool(self._loads) or self.pending > 0 or super()._busy()
 
-    def _plan_for(self, peer_spec: EngineSpec) -> TransferPlan:
+    def plan_for(self, peer_spec: EngineSpec) -> TransferPlan:
         return plan_transfer(kernel_spec(peer_spec), kernel_spec(self.spec))
 
-    def _rank_plan(self, plan: TransferPlan) -> RankPlan:
+    def rank_plan(self, plan: TransferPlan) -> RankPlan:
+        """This rank's part of ``plan`` (its reads, source and notify-only ranks)."""
         return plan.decode_ranks[self.rank]
 
     def _peer_ranks(self, plan: TransferPlan) -> tuple[list[int], list[int]]:
-        rp = self._rank_plan(plan)
+        rp = self.rank_plan(plan)
         return list(rp.handshake_ranks), list(rp.source_ranks)
 
     def _descriptors(self, peer: Peer, q: int, plan: TransferPlan):
-        return rank_descriptors(self._rank_plan(plan), q, self.geometry,
+        return rank_descriptors(self.rank_plan(plan), q, self.geometry,
                                 self._remote_geometry(peer, q)), True
 
     # ----- public API -------------------------------------------------------
-    def load(self, request_id: str, params: TransferParams,
-             local_block_ids: Sequence[int] | Sequence[Sequence[int]],
+    def load(self, request_id: str, params: TransferParams, local_block_ids: BlockIds,
              computed_tokens: int = 0) -> None:
         """Start loading a request's blocks (pull mode). Never blocks on the peer.
 
         ``local_block_ids`` are this engine's blocks for the tokens from
         ``computed_tokens`` on (tokens already present locally: a prefix hit);
         ``params.block_ids`` are the prefill engine's blocks for all tokens. Both
-        are flat (one KV-cache group) or one list per group of ``EngineSpec.groups``
-        (see :mod:`kvbridge.nixl.groups` for how each group's blocks pair up).
+        are :data:`~kvbridge.topology.BlockIds`: one tuple per group of
+        ``EngineSpec.groups``, ``(ids,)`` for an engine with one group (see
+        :mod:`kvbridge.nixl.groups` for how each group's blocks pair up).
         """
-        groups = self._group_ids(local_block_ids, self.geometry.num_blocks, "local")
+        groups = group_arrays(local_block_ids, len(self.groups), self.geometry.num_blocks, "local")
         lids = flat_ids(groups, self.config.null_block_id)
         if computed_tokens < 0 or computed_tokens % self.spec.block_size:
             raise ValueError(
@@ -111,7 +121,7 @@ class DecodeEngine(RankEngine):
         self.mode.release(params)
 
     def expect(self, request_id: str, prefill_engine_id: str, prefill_tp: int, token: str,
-               local_block_ids: Sequence[int] | Sequence[Sequence[int]], *, prefill_block_size: int | None = None,
+               local_block_ids: BlockIds, *, prefill_block_size: int | None = None,
                prefill_head_order: HeadOrder | str | None = None,
                prefill_kernel_blocks_per_block: int | None = None) -> None:
         """Push mode: wait for the prefill ranks that write this rank's share of a request.
@@ -131,9 +141,9 @@ class DecodeEngine(RankEngine):
         detected (push notifications do not carry the prefill geometry): the
         received blocks would be rearranged wrongly. Raises ``ValueError``
         (:class:`~kvbridge.topology.TopologyError`) when the pair cannot be planned.
-        ``local_block_ids``: flat (one KV-cache group) or one list per group.
+        ``local_block_ids``: :data:`~kvbridge.topology.BlockIds`, one tuple per group.
         """
-        groups = self._group_ids(local_block_ids, self.geometry.num_blocks, "local")
+        groups = group_arrays(local_block_ids, len(self.groups), self.geometry.num_blocks, "local")
         lids = flat_ids(groups, self.config.null_block_id)
         self.mode.expect(request_id, prefill_engine_id, prefill_tp, token, lids, prefill_block_size,
                          prefill_head_order, prefill_kernel_blocks_per_block, groups)
@@ -153,7 +163,7 @@ class DecodeEngine(RankEngine):
                 self.mode.advance()
                 now = time.monotonic()
                 for t in self.tracker.overdue(now):
-                    self._fail(t.request_id, FailureKind.TIMEOUT,
+                    self.fail(t.request_id, FailureKind.TIMEOUT,
                                f"not complete within {self.config.transfer_timeout_s:.1f} s")
                 self.mode.keep_alive(now)
         done, failed = self.tracker.take_done(), self.tracker.take_failed()
@@ -169,25 +179,44 @@ class DecodeEngine(RankEngine):
         """Requests loading or awaited (not reported done or failed yet)."""
         return len(self.tracker)
 
-    # ----- requests (used by the mode objects) --------------------------------
-    def _add(self, ld: Load, now: float, ready: bool) -> None:
-        """Track a new request (its deadline starts now)."""
+    # ----- requests: the surface the mode objects use ---------------------------------
+    def add(self, ld: Load, now: float, ready: bool) -> None:
+        """Track a new request (its deadline starts now; ``ready``: its peer is handshaken)."""
         self.tracker.add(ld.request_id, ld.peer.engine_id, ld.local_ids.tolist(),
                          now + self.config.transfer_timeout_s, ready=ready)
         self._loads[ld.request_id] = ld
 
-    def _release_load(self, ld: Load) -> None:
-        self._orphans_release(ld.transfers.values())
-        ld.transfers.clear()
+    def load_of(self, request_id: str) -> Load | None:
+        """The request being received under ``request_id`` (None: unknown, done or failed)."""
+        return self._loads.get(request_id)
 
-    def _fail(self, rid: str, kind: FailureKind, message: str) -> None:
+    def loads(self) -> list[Load]:
+        """The requests being received, oldest first (a copy: failing one meanwhile is safe)."""
+        return list(self._loads.values())
+
+    def posted(self, ld: Load, parts: Iterable[int]) -> None:
+        """``ld``'s transfers are under way from these source ranks (each reported with
+        :meth:`part_done`); with none the request is done at once."""
+        parts = list(parts)
+        self.tracker.posted(ld.request_id, parts)
+        if not parts:
+            self._loads.pop(ld.request_id, None)
+
+    def mute(self, request_id: str) -> None:
+        """Never report ``request_id`` from :meth:`poll` (a release nobody waits for)."""
+        self._silent.add(request_id)
+
+    def fail(self, rid: str, kind: FailureKind, message: str) -> None:
+        """Give a request up: release its transfers and report it failed (its local blocks
+        invalid). Nothing happens for a request no longer tracked."""
         ld = self._loads.pop(rid, None)
         if ld is not None:
-            self._release_load(ld)
+            self.drop_transfers(ld.transfers.values())
+            ld.transfers.clear()
         if rid in self.tracker:
             self.tracker.fail(rid, kind, message)
 
-    def _part_done(self, ld: Load, part: int) -> None:
+    def part_done(self, ld: Load, part: int) -> None:
         """One source rank of ``ld`` finished (pull: its READ completed; push: it wrote).
 
         On the last one the request's blocks are post-processed before the
@@ -201,7 +230,7 @@ class DecodeEngine(RankEngine):
             try:
                 self._post_process(ld)
             except Exception as exc:  # a failed rearrangement leaves garbage: recompute the blocks
-                self._fail(rid, FailureKind.POST, f"post-processing the received blocks failed: {exc}")
+                self.fail(rid, FailureKind.POST, f"post-processing the received blocks failed: {exc}")
                 return
         if self.tracker.part_done(rid, part):
             self._loads.pop(rid, None)
@@ -210,7 +239,6 @@ class DecodeEngine(RankEngine):
         """Rearrange a completed request's blocks in place when the plan says so
         (HND <-> NHD, several smaller prefill blocks per decode block)."""
         pp = ld.peer.plan.post_process
-        ids = (flat_ids(ld.groups, self.config.null_block_id, self.groups, attention_only=True)
-               if ld.groups else ld.local_ids)
+        ids = flat_ids(ld.groups, self.config.null_block_id, self.groups, attention_only=True)
         if pp.needed and ids.size:
             post_process(self.regions, ids, pp, self.spec)

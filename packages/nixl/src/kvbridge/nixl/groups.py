@@ -1,10 +1,9 @@
 """KV-cache groups as the engine moves them: per-group block ids and how they pair up.
 
-An engine without declared groups (``EngineSpec.groups`` empty) has one FULL
-group of every layer and takes block ids as a flat list, as before groups
-existed. With groups, every call that takes block ids takes either one list per
-group, in the order of ``EngineSpec.groups``, or (single-group engines) a flat
-list. Pairing per group (see :class:`~kvbridge.topology.GroupKind`): FULL pairs
+Every call that takes block ids takes :data:`~kvbridge.topology.BlockIds`: one
+tuple per group, in the order of ``EngineSpec.groups``. An engine without
+declared groups (``EngineSpec.groups`` empty) has one FULL group of every layer,
+so it takes ``(ids,)``. Pairing per group (see :class:`~kvbridge.topology.GroupKind`): FULL pairs
 the blocks in token order; SLIDING does the same and drops every pair in which
 either id is ``EngineConfig.null_block_id``; MAMBA pairs the last non-null block
 of each side and moves the plan's Mamba state pieces.
@@ -18,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvbridge.memory import CacheRegions, RankDescriptors, block_id_array
-from kvbridge.topology import EngineSpec, GroupKind
+from kvbridge.topology import BlockIds, EngineSpec, GroupKind
 
 _EMPTY = np.zeros(0, dtype=np.int64)
 
@@ -62,50 +61,30 @@ def engine_groups(spec: EngineSpec, regions: CacheRegions) -> tuple[EngineGroup,
     return tuple(out)
 
 
-def _is_nested(ids: object) -> bool:
-    if isinstance(ids, np.ndarray):
-        return ids.ndim == 2 or (ids.dtype == object and ids.size > 0)
-    if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence):
-        return False
-    return len(ids) > 0 and not isinstance(ids[0], (int, np.integer))
+def group_arrays(ids: BlockIds, n_groups: int, num_blocks: int, what: str) -> tuple[np.ndarray, ...]:
+    """Per-group block ids (:data:`~kvbridge.topology.BlockIds`) as one checked ``int64``
+    array per group.
 
-
-def split_block_ids(ids: Sequence[int] | Sequence[Sequence[int]] | np.ndarray, n_groups: int,
-                    num_blocks: int, what: str) -> tuple[np.ndarray, ...]:
-    """Block ids, flat or one list per group, as one checked ``int64`` array per group.
-
-    A flat list is accepted for single-group engines; an empty list means no block
-    in any group. Raises ``ValueError`` for a wrong number of groups.
+    ``ids`` holds exactly ``n_groups`` groups, each a sequence (or 1-D array) of ids
+    inside ``0 .. num_blocks - 1``. Raises ``ValueError`` saying what to pass for a flat
+    list of ids, a wrong number of groups or ids outside the cache.
     """
-    if isinstance(ids, np.ndarray) and ids.ndim == 1 and ids.dtype != object:
-        nested = False
-    else:
-        nested = _is_nested(ids)
-    if not nested:
-        flat = block_id_array(ids, num_blocks, what)
-        if flat.size == 0:
-            return (_EMPTY,) * n_groups
-        if n_groups != 1:
-            raise ValueError(
-                f"{what} block ids: this engine has {n_groups} KV-cache groups, so block ids must "
-                f"be {n_groups} lists (one per group, in the order of EngineSpec.groups), got one "
-                "flat list"
-            )
-        return (flat,)
-    groups = list(ids)
-    if len(groups) != n_groups:
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, (Sequence, np.ndarray)):
+        raise ValueError(f"{what} block ids must be one sequence of ids per KV-cache group, "
+                         f"got {type(ids).__name__}")
+    if (isinstance(ids, np.ndarray) and ids.ndim == 1 and ids.dtype != object) or any(
+            isinstance(g, (int, np.integer)) for g in ids):
         raise ValueError(
-            f"{what} block ids: expected {n_groups} KV-cache group(s) (one list per group, in the "
-            f"order of EngineSpec.groups), got {len(groups)}"
+            f"{what} block ids are one flat list, but this engine has {n_groups} KV-cache "
+            f"group{'s' if n_groups != 1 else ''}: pass one tuple of ids per group, in the order "
+            f"of EngineSpec.groups ({'(ids,)' if n_groups == 1 else '(ids_0, ids_1, ...)'})"
         )
-    return tuple(block_id_array(g, num_blocks, f"{what} (group {i})") for i, g in enumerate(groups))
-
-
-def as_params_ids(groups: tuple[np.ndarray, ...]) -> tuple:
-    """Block ids for :class:`~kvbridge.nixl.TransferParams`: flat for one group, else per group."""
-    if len(groups) == 1:
-        return tuple(groups[0].tolist())
-    return tuple(tuple(g.tolist()) for g in groups)
+    if len(ids) != n_groups:
+        raise ValueError(
+            f"{what} block ids: expected {n_groups} KV-cache group(s) (one tuple per group, in "
+            f"the order of EngineSpec.groups), got {len(ids)}"
+        )
+    return tuple(block_id_array(g, num_blocks, f"{what} (group {i})") for i, g in enumerate(ids))
 
 
 def flat_ids(groups: tuple[np.ndarray, ...], null: int | None,

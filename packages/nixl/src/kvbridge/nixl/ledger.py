@@ -10,6 +10,8 @@ import enum
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 
+from kvbridge.topology import Failed, FailureKind, Released
+
 from .messages import Kind, Notification
 from .stats import Stats
 
@@ -26,15 +28,6 @@ class HeldRequest:
     decode_tp: int | None = None
     consumers: frozenset[int] = frozenset()
     notified_by: set[int] = field(default_factory=set)
-
-
-@dataclass(frozen=True)
-class Released:
-    """A request whose blocks the prefill engine may free now."""
-
-    request_id: str
-    block_ids: tuple[int, ...]
-    reason: str  # "notified" or "lease-expired"
 
 
 class PrefillLedger:
@@ -160,23 +153,6 @@ class State(str, enum.Enum):
     POSTED = "posted"
     DONE = "done"
     FAILED = "failed"
-
-
-class FailureKind(str, enum.Enum):
-    HANDSHAKE = "handshake"
-    TRANSFER = "transfer-error"
-    POST = "post-exception"
-    TIMEOUT = "timeout"
-
-
-@dataclass(frozen=True)
-class Failed:
-    """A request that will not complete: its local blocks hold garbage and must be recomputed."""
-
-    request_id: str
-    kind: FailureKind
-    invalid_block_ids: tuple[int, ...]
-    message: str
 
 
 @dataclass

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvbridge.topology import Released, TransferParams
+
 from .agent import Transfer
-from .config import TransferParams
-from .ledger import Released
 from .peers import Peer
 from .rank import RankEngine
 
@@ -50,10 +50,11 @@ class DecodeMode:
     name = "?"
 
     def __init__(self, engine: RankEngine) -> None:
-        self.engine = engine  # a DecodeEngine
+        #: a DecodeEngine; the mode uses only its public surface (see RankEngine)
+        self.engine = engine
 
     def load(self, request_id: str, params: TransferParams, local_ids: np.ndarray,
-             computed_tokens: int, groups: tuple[np.ndarray, ...] = ()) -> None:
+             computed_tokens: int, groups: tuple[np.ndarray, ...]) -> None:
         raise ValueError("load() is the pull-mode entry point; this engine is in push mode (use expect())")
 
     def prepare(self, params: TransferParams) -> None:
@@ -63,19 +64,19 @@ class DecodeMode:
         self.prepare(params)
 
     def release(self, params: TransferParams) -> None:
-        self.load("", params, np.zeros(0, dtype=np.int64), 0)
+        self.load("", params, np.zeros(0, dtype=np.int64), 0, ())
 
     def expect(self, request_id: str, prefill_engine_id: str, prefill_tp: int, token: str,
                local_ids: np.ndarray, prefill_block_size: int | None,
                prefill_head_order: str | None, prefill_kernel_blocks_per_block: int | None,
-               groups: tuple[np.ndarray, ...] = ()) -> None:
+               groups: tuple[np.ndarray, ...]) -> None:
         raise ValueError("expect() is the push-mode entry point; this engine is in pull mode")
 
     def on_handshake(self, peer: Peer, err: str | None) -> None:
         """A handshake this rank started ended (caller thread)."""
 
-    def on_event(self, event: tuple) -> None:
-        """An event a worker job of this mode queued (caller thread)."""
+    def on_event(self, event: object) -> None:
+        """An event a worker job of this mode reported (``engine.report``; caller thread)."""
 
     def advance(self) -> None:
         """Check transfers and notifications (inside ``poll()``, the agent held)."""
@@ -90,7 +91,8 @@ class PrefillMode:
     name = "?"
 
     def __init__(self, engine: RankEngine) -> None:
-        self.engine = engine  # a PrefillEngine
+        #: a PrefillEngine; the mode uses only its public surface (see RankEngine)
+        self.engine = engine
 
     def hold(self, request_id: str, block_ids: tuple[int, ...], token: str, now: float) -> None:
         """Keep a request's blocks until the decode side has them."""
@@ -110,8 +112,8 @@ class PrefillMode:
     def on_handshake(self, peer: Peer, err: str | None) -> None:
         """A handshake this rank started ended (caller thread)."""
 
-    def on_event(self, event: tuple) -> None:
-        """An event a worker job of this mode queued (caller thread)."""
+    def on_event(self, event: object) -> None:
+        """An event a worker job of this mode reported (``engine.report``; caller thread)."""
 
     def poll(self, now: float) -> list[Released]:
         """Advance this mode's requests; returns the ones whose blocks are free."""

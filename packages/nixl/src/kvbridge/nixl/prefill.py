@@ -14,11 +14,18 @@ import time
 from collections.abc import Sequence
 
 from kvbridge.memory import kernel_spec, rank_descriptors
-from kvbridge.topology import EngineSpec, TransferPlan, plan_transfer
+from kvbridge.topology import (
+    BlockIds,
+    EngineSpec,
+    Released,
+    TransferParams,
+    TransferPlan,
+    plan_transfer,
+)
 
-from .config import TransferParams, provisional_spec
-from .groups import as_params_ids, flat_ids
-from .ledger import PrefillLedger, Released
+from .config import provisional_spec
+from .groups import flat_ids, group_arrays
+from .ledger import PrefillLedger
 from .messages import new_token, parse_notification
 from .modes import PrefillMode
 from .peers import Peer
@@ -51,7 +58,7 @@ class PrefillEngine(RankEngine):
         return plan.prefill_ranks[self.rank].consumer_ranks
 
     # planning hooks (push mode: the peer is a decode engine)
-    def _plan_for(self, peer_spec: EngineSpec) -> TransferPlan:
+    def plan_for(self, peer_spec: EngineSpec) -> TransferPlan:
         return plan_transfer(kernel_spec(self.spec), kernel_spec(peer_spec))
 
     def _peer_ranks(self, plan: TransferPlan) -> tuple[list[int], list[int]]:
@@ -64,35 +71,34 @@ class PrefillEngine(RankEngine):
                                 self.geometry), False
 
     # ----- public API -------------------------------------------------------
-    def hold(self, request_id: str, block_ids: Sequence[int] | Sequence[Sequence[int]],
-             token: str | None = None) -> TransferParams:
+    def hold(self, request_id: str, block_ids: BlockIds, token: str | None = None) -> TransferParams:
         """Hold a request's blocks under a lease; returns the parameters for the decode side.
 
-        ``block_ids``: flat (one KV-cache group) or one list per group of
-        ``EngineSpec.groups``; the parameters carry them in the same form (flat for one
-        group). The lease ledger and :class:`Released` list every group's ids in one tuple.
+        ``block_ids``: :data:`~kvbridge.topology.BlockIds`, one tuple per group of
+        ``EngineSpec.groups`` (``(ids,)`` for an engine with one group); the parameters
+        carry them in that form. The lease ledger and :class:`Released` list every
+        group's ids in one tuple.
         All ranks of one engine must hold a request with the same token: pass
         rank 0's token to the others (or one from :func:`new_token`).
         """
-        groups = self._group_ids(block_ids, self.geometry.num_blocks, "prefill")
+        groups = group_arrays(block_ids, len(self.groups), self.geometry.num_blocks, "prefill")
         token = token or new_token()
         self.mode.hold(request_id, tuple(flat_ids(groups, None).tolist()), token, time.monotonic())
         self._worker.wake()  # the decode ranks' READs need this side's progress from now on
         host, port = self.address
         return TransferParams(self.spec.engine_id, host, port, self.spec.tp_size,
-                              as_params_ids(groups), token, self.incarnation, request_id)
+                              tuple(tuple(g.tolist()) for g in groups), token, self.incarnation,
+                              request_id)
 
-    def push(self, request_id: str, block_ids: Sequence[int] | Sequence[Sequence[int]],
-             target: TransferParams) -> None:
+    def push(self, request_id: str, block_ids: BlockIds, target: TransferParams) -> None:
         """Push mode: write a request's blocks into the decode engine ``target`` (its address,
         TP size, blocks, token and ``computed_tokens``). Block ids here and in ``target``:
-        flat (one KV-cache group) or one list per group."""
-        groups = self._group_ids(block_ids, self.geometry.num_blocks, "prefill")
+        :data:`~kvbridge.topology.BlockIds`, one tuple per KV-cache group."""
+        groups = group_arrays(block_ids, len(self.groups), self.geometry.num_blocks, "prefill")
         self.mode.push(request_id, groups, target)
         self._worker.wake()
 
-    def push_start(self, request_id: str, block_ids: Sequence[int] | Sequence[Sequence[int]],
-                   target: TransferParams) -> None:
+    def push_start(self, request_id: str, block_ids: BlockIds, target: TransferParams) -> None:
         """Push mode, layer by layer: open the push of a request whose KV is still being
         computed. Name each layer with :meth:`push_layers` as soon as it is in the cache
         (its WRITEs are posted at once, on the engine's worker thread, so a forward pass
@@ -100,7 +106,7 @@ class PrefillEngine(RankEngine):
         starts now if it is not known yet; layers named before it completes are written
         once it does. The Mamba state of a hybrid model is written by :meth:`push_finish`.
         Never blocks on the peer."""
-        groups = self._group_ids(block_ids, self.geometry.num_blocks, "prefill")
+        groups = group_arrays(block_ids, len(self.groups), self.geometry.num_blocks, "prefill")
         self.mode.start(request_id, groups, target)
         self._worker.wake()
 

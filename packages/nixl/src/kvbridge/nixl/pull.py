@@ -17,18 +17,41 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
+from kvbridge.topology import FailureKind, TransferParams
+
 from .agent import NixlError, Transfer
-from .config import TransferParams
-from .groups import pair_indices
-from .ledger import FailureKind, State
+from .groups import group_arrays, pair_indices
+from .ledger import State
 from .messages import Kind, Notification, encode_notification
 from .modes import DecodeMode, Load, PrefillMode
 from .peers import Peer
 
 log = logging.getLogger("kvbridge.nixl")
+
+
+@dataclass(frozen=True, eq=False)
+class ReadsSkipped:
+    """Worker event: ``load``'s READs were not posted (``peer`` failed, was dropped or was
+    superseded before the job ran)."""
+
+    load: Load
+    peer: Peer
+
+
+@dataclass(frozen=True, eq=False)
+class ReadsPosted:
+    """Worker event: ``load``'s READs from ``peer``, one per source rank in ``parts``, were
+    posted (``error`` None) or failed to post; ``prep_us``: block ids to READs ready."""
+
+    load: Load
+    peer: Peer
+    parts: dict[int, Transfer]
+    error: str | None
+    prep_us: float
 
 
 class PullReads(DecodeMode):
@@ -42,17 +65,17 @@ class PullReads(DecodeMode):
 
     # ----- entry points (caller thread) ---------------------------------------
     def load(self, request_id: str, params: TransferParams, local_ids: np.ndarray,
-             computed_tokens: int, groups: tuple[np.ndarray, ...] = ()) -> None:
+             computed_tokens: int, groups: tuple[np.ndarray, ...]) -> None:
         e = self.engine
         peer = e.peers.for_request(params.engine_id, params.host, params.port, params.tp_size,
                                    params.incarnation)
         now = time.monotonic()
         ld = Load(request_id, peer, params, local_ids, computed_tokens, params.token, last_renew=now,
-                  groups=groups or (local_ids,))
+                  groups=groups)
         # from now on the load renews its own lease (_renew_loading); a RENEW still queued
         # could reach the prefill after this load's DONE and be counted there as unknown
         self._renewals.pop((params.engine_id, params.request_id), None)
-        e._add(ld, now, ready=peer.state == "ready")
+        e.add(ld, now, ready=peer.state == "ready")
         if peer.state == "ready" or e.config.post_in_background:
             self._post(ld)  # on the worker, after the handshake when one is running
 
@@ -69,7 +92,7 @@ class PullReads(DecodeMode):
     def _loading(self, params: TransferParams) -> bool:
         return any(ld.params is not None and ld.params.engine_id == params.engine_id
                    and ld.params.request_id == params.request_id
-                   for ld in self.engine._loads.values())
+                   for ld in self.engine.loads())
 
     def release(self, params: TransferParams) -> None:
         e = self.engine
@@ -77,8 +100,8 @@ class PullReads(DecodeMode):
         if rid in e.tracker:
             return
         self._renewals.pop((params.engine_id, params.request_id), None)
-        e._silent.add(rid)
-        e.load(rid, params, [], 0)
+        e.mute(rid)
+        e.load(rid, params, ((),) * len(e.groups), 0)
 
     # ----- posting --------------------------------------------------------------
     def _post(self, ld: Load) -> None:
@@ -86,16 +109,16 @@ class PullReads(DecodeMode):
         e, peer = self.engine, ld.peer
         ld.queued_for = peer
         if e.config.post_in_background:
-            e._worker.submit(lambda: self._post_and_drive(ld, peer))
+            e.submit(lambda: self._post_and_drive(ld, peer))
         else:
             self.on_event(self._post_job(ld, peer))
 
-    def _post_job(self, ld: Load, peer: Peer) -> tuple:
+    def _post_job(self, ld: Load, peer: Peer) -> ReadsSkipped | ReadsPosted:
         """Build and post one READ per source rank of ``peer`` (worker thread, or the caller's);
         returns the event that reports it."""
         e = self.engine
         if not (peer.usable and e.peers.is_current(peer)):  # failed, dropped or superseded meanwhile
-            return ("skipped", ld, peer)
+            return ReadsSkipped(ld, peer)
         t0 = time.perf_counter()
         parts: dict[int, Transfer] = {}
         prep = 0.0
@@ -104,7 +127,7 @@ class PullReads(DecodeMode):
             for q, x in parts.items():
                 if e.agent.post(x) == "ERR":
                     raise NixlError(f"posting the READ from engine {peer.engine_id!r} rank {q} failed")
-            rp = e._rank_plan(peer.plan)
+            rp = e.rank_plan(peer.plan)
             # ranks holding nothing this rank needs, and sources with nothing to read for this
             # request (a full prefix hit, only null blocks): notified instead of read
             for q in rp.notify_only_ranks + tuple(q for q in rp.source_ranks if q not in parts):
@@ -116,25 +139,26 @@ class PullReads(DecodeMode):
             err = str(exc) or type(exc).__name__
         except Exception as exc:  # the worker must survive anything
             err = f"{type(exc).__name__}: {exc}"
-        return ("posted", ld, peer, parts, err, prep if prep else (time.perf_counter() - t0) * 1e6)
+        return ReadsPosted(ld, peer, parts, err, prep if prep else (time.perf_counter() - t0) * 1e6)
 
     def _post_and_drive(self, ld: Load, peer: Peer) -> None:
         """Worker thread: post ``ld``'s READs, report them, then check them until they complete."""
         e = self.engine
         event = self._post_job(ld, peer)
-        e._events.put(event)
-        if event[0] == "posted" and event[4] is None and e.config.complete_in_background_s > 0:
-            e._drive(event[3].values())
+        e.report(event)
+        if (isinstance(event, ReadsPosted) and event.error is None
+                and e.config.complete_in_background_s > 0):
+            e.drive(event.parts.values())
 
     def _build(self, ld: Load, peer: Peer, parts: dict[int, Transfer]) -> float:
         """Make one READ per source rank (not posted); returns the microseconds it took."""
         e = self.engine
         t0 = time.perf_counter()
-        rp = e._rank_plan(peer.plan)
+        rp = e.rank_plan(peer.plan)
         if not rp.source_ranks:
             return (time.perf_counter() - t0) * 1e6
         remote_blocks = min(peer.infos[q].num_blocks for q in rp.source_ranks)
-        rids = e._group_ids(ld.params.block_ids, remote_blocks, "prefill")
+        rids = group_arrays(ld.params.block_ids, len(e.groups), remote_blocks, "prefill")
         skip = ld.computed_tokens // e.spec.block_size
         msg = encode_notification(Notification(Kind.DONE, ld.remote_id, e.spec.tp_size, e.rank, ld.token),
                                   e.notif_key)
@@ -156,77 +180,76 @@ class PullReads(DecodeMode):
     def on_handshake(self, peer: Peer, err: str | None) -> None:
         e = self.engine
         if err is not None:
-            for f in e.tracker.handshake_failed(peer.engine_id, err):
-                e._loads.pop(f.request_id, None)
+            for t in e.tracker.waiting_on(peer.engine_id):
+                e.fail(t.request_id, FailureKind.HANDSHAKE, err)
             return
         for t in e.tracker.handshake_done(peer.engine_id):
-            ld = e._loads[t.request_id]
+            ld = e.load_of(t.request_id)
             if ld.queued_for is not peer:  # it waited on a handshake this one superseded
                 ld.peer = peer
                 self._post(ld)
 
-    def on_event(self, event: tuple) -> None:
-        if event[0] == "skipped":
-            self._skipped(*event[1:])
-        else:
-            self._posted(*event[1:])
+    def on_event(self, event: object) -> None:
+        match event:
+            case ReadsPosted():
+                self._posted(event)
+            case ReadsSkipped():
+                self._skipped(event.load, event.peer)
 
     def _skipped(self, ld: Load, peer: Peer) -> None:
         """The worker did not post ``ld``: its peer failed, was dropped or superseded first."""
         e = self.engine
-        if e._loads.get(ld.request_id) is not ld or ld.queued_for is not peer:
+        if e.load_of(ld.request_id) is not ld or ld.queued_for is not peer:
             return
         t = e.tracker.get(ld.request_id)
         if t is not None and t.state is State.READY:  # else it waits for the next handshake
-            e._fail(ld.request_id, FailureKind.POST,
+            e.fail(ld.request_id, FailureKind.POST,
                     f"engine {peer.engine_id!r} was dropped (restarted or failed) before this "
                     f"request's READs were posted")
 
-    def _posted(self, ld: Load, peer: Peer, parts: dict[int, Transfer], err: str | None,
-                prep_us: float) -> None:
-        e = self.engine
+    def _posted(self, event: ReadsPosted) -> None:
+        e, ld, peer, parts, err = self.engine, event.load, event.peer, event.parts, event.error
         rid = ld.request_id
         t = e.tracker.get(rid)
-        if e._loads.get(rid) is not ld or ld.queued_for is not peer or t is None or t.state is not State.READY:
+        if e.load_of(rid) is not ld or ld.queued_for is not peer or t is None or t.state is not State.READY:
             # failed, timed out or moved to another peer meanwhile
-            e._orphans_release(parts.values())
+            e.drop_transfers(parts.values())
             return
-        e.stats.prep_us += int(prep_us)
+        e.stats.prep_us += int(event.prep_us)
         e.stats.posts += 1
         ld.transfers.update(parts)
         if err is not None:
-            e._fail(rid, FailureKind.POST, err)
+            e.fail(rid, FailureKind.POST, err)
             if err.startswith("NIXL: ") and peer.state == "ready":
                 # posting to this engine failed in NIXL: handshake again next time
-                for other, ol in list(e._loads.items()):
+                for ol in e.loads():
                     if ol.peer is peer and not ol.transfers:
-                        e._fail(other, FailureKind.POST, err)
+                        e.fail(ol.request_id, FailureKind.POST, err)
                 e.peers.drop(peer)
             return
-        e.tracker.posted(rid, list(parts))
-        if not parts:
-            e._loads.pop(rid, None)
+        e.posted(ld, parts)
 
     # ----- poll rounds (caller thread, agent held) -----------------------------------
     def advance(self) -> None:
         e = self.engine
         broken: list[Peer] = []
-        for rid, ld in list(e._loads.items()):
+        for ld in e.loads():
+            rid = ld.request_id
             t = e.tracker.get(rid)
             if t is None or t.state is not State.POSTED:
                 continue
-            done, bad = e._sweep(ld.transfers, ld.peer.engine_id)
+            done, bad = e.sweep(ld.transfers, ld.peer.engine_id)
             for q in done:
-                e._part_done(ld, q)
+                e.part_done(ld, q)
             if bad is not None:
-                e._fail(rid, FailureKind.TRANSFER,
+                e.fail(rid, FailureKind.TRANSFER,
                         f"READ from engine {ld.peer.engine_id!r} rank {bad} ended in error")
                 if ld.peer not in broken:
                     broken.append(ld.peer)
         for peer in broken:  # a failing peer is presumed restarted or dead: handshake again next time
-            for rid, ld in list(e._loads.items()):
+            for ld in e.loads():
                 if ld.peer is peer:
-                    e._fail(rid, FailureKind.TRANSFER, f"engine {peer.engine_id!r} failed a transfer")
+                    e.fail(ld.request_id, FailureKind.TRANSFER, f"engine {peer.engine_id!r} failed a transfer")
             e.peers.drop(peer)
 
     def keep_alive(self, now: float) -> None:
@@ -237,11 +260,11 @@ class PullReads(DecodeMode):
         """RENEW the leases of requests in flight, every ``renew_interval_s``."""
         e = self.engine
         every = e.config.renew_interval_s
-        for ld in e._loads.values():
+        for ld in e.loads():
             if now - ld.last_renew < every or ld.peer.state != "ready":
                 continue
             ld.last_renew = now
-            for q in e._rank_plan(ld.peer.plan).handshake_ranks:
+            for q in e.rank_plan(ld.peer.plan).handshake_ranks:
                 try:
                     self._notify(ld.peer, q, ld.remote_id, ld.token, Kind.RENEW)
                     e.stats.leases_renewed += 1
@@ -258,7 +281,7 @@ class PullReads(DecodeMode):
             del self._renewals[key]
             if peer is None or peer.state != "ready":
                 continue  # the handshake failed: the lease will lapse, nothing to renew with
-            for q in e._rank_plan(peer.plan).handshake_ranks:
+            for q in e.rank_plan(peer.plan).handshake_ranks:
                 try:
                     self._notify(peer, q, params.request_id, params.token, Kind.RENEW)
                     e.stats.leases_renewed += 1

@@ -18,12 +18,11 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from kvbridge.topology import HeadOrder
+from kvbridge.topology import FailureKind, HeadOrder, Released, TransferParams
 
 from .agent import NixlError, Transfer
-from .config import TransferParams, provisional_spec
-from .groups import flat_ids, pair_indices, split_block_ids
-from .ledger import FailureKind, Released
+from .config import provisional_spec
+from .groups import flat_ids, group_arrays, pair_indices
 from .messages import Kind, Notification, encode_notification, parse_notification
 from .modes import DecodeMode, Load, PrefillMode
 from .peers import Peer
@@ -53,7 +52,7 @@ class PushReceiver(DecodeMode):
                local_ids: np.ndarray, prefill_block_size: int | None,
                prefill_head_order: HeadOrder | str | None,
                prefill_kernel_blocks_per_block: int | None,
-               groups: tuple[np.ndarray, ...] = ()) -> None:
+               groups: tuple[np.ndarray, ...]) -> None:
         e = self.engine
         pspec = provisional_spec(e.spec, prefill_engine_id, prefill_tp)
         if prefill_block_size is not None or prefill_kernel_blocks_per_block is not None:
@@ -64,14 +63,12 @@ class PushReceiver(DecodeMode):
             pspec = replace(pspec, block_size=bs, kernel_blocks_per_block=kb)
         if prefill_head_order is not None:
             pspec = replace(pspec, head_order=HeadOrder(prefill_head_order))
-        plan = e._plan_for(pspec)
-        sources = tuple(e._rank_plan(plan).source_ranks) if local_ids.size else ()
+        plan = e.plan_for(pspec)
+        sources = tuple(e.rank_plan(plan).source_ranks) if local_ids.size else ()
         ld = Load(request_id, Peer(prefill_engine_id, "", 0, prefill_tp, plan=plan), None, local_ids, 0,
-                  token, expect_from=sources, groups=groups or (local_ids,))
-        e._add(ld, time.monotonic(), ready=True)
-        e.tracker.posted(request_id, sources)
-        if not sources:
-            e._loads.pop(request_id, None)
+                  token, expect_from=sources, groups=groups)
+        e.add(ld, time.monotonic(), ready=True)
+        e.posted(ld, sources)
         for _t, n in self._early.pop(request_id, ()):
             self._early_count -= 1
             self._apply(n)
@@ -111,14 +108,14 @@ class PushReceiver(DecodeMode):
                 if not n.authentic:
                     e.stats.notifications_unauthenticated += 1
                     continue
-                if n.request_id not in e._loads:
+                if e.load_of(n.request_id) is None:
                     self._keep_early(n)
                     continue
                 self._apply(n)
 
     def _apply(self, n: Notification) -> None:
         e = self.engine
-        ld = e._loads.get(n.request_id)
+        ld = e.load_of(n.request_id)
         if ld is None:
             e.stats.notifications_unknown += 1
             return
@@ -129,7 +126,7 @@ class PushReceiver(DecodeMode):
         if n.decode_tp != ld.peer.tp_size or n.decode_rank not in ld.expect_from:
             e.stats.notifications_malformed += 1
             return
-        e._part_done(ld, n.decode_rank)
+        e.part_done(ld, n.decode_rank)
 
 
 @dataclass(eq=False)
@@ -161,6 +158,16 @@ class Push:
     #: background posting jobs not reported back yet
     in_flight: int = 0
     seq: int = 0
+
+
+@dataclass(frozen=True, eq=False)
+class WritesPosted:
+    """Worker event: WRITEs of ``push`` were posted, one per decode rank in ``parts`` (keyed
+    by decode rank; ``error`` None), or posting them failed."""
+
+    push: Push
+    parts: dict[int, Transfer]
+    error: str | None
 
 
 class PushWrites(PrefillMode):
@@ -256,21 +263,22 @@ class PushWrites(PrefillMode):
         e, peer = self.engine, p.peer
         p.in_flight += 1
         if e.config.post_in_background:
-            e._worker.submit(lambda: self._post_and_drive(p, peer, layers, mamba))
+            e.submit(lambda: self._post_and_drive(p, peer, layers, mamba))
         else:
             self.on_event(self._post_job(p, peer, layers, mamba))
 
     def _post_and_drive(self, p: Push, peer: Peer, layers: tuple[int, ...] | None,
                         mamba: bool) -> None:
         """Worker thread: post, report, then check the WRITEs until they complete (see
-        ``RankEngine._drive``), so the prefill side learns of them before its next poll."""
+        ``RankEngine.drive``), so the prefill side learns of them before its next poll."""
         e = self.engine
         event = self._post_job(p, peer, layers, mamba)
-        e._events.put(event)
-        if event[3] is None and e.config.complete_in_background_s > 0:
-            e._drive(event[2].values())
+        e.report(event)
+        if event.error is None and e.config.complete_in_background_s > 0:
+            e.drive(event.parts.values())
 
-    def _post_job(self, p: Push, peer: Peer, layers: tuple[int, ...] | None, mamba: bool) -> tuple:
+    def _post_job(self, p: Push, peer: Peer, layers: tuple[int, ...] | None,
+                  mamba: bool) -> WritesPosted:
         """Build and post the WRITEs of the attention ``layers`` (None: the whole request, with
         notifications; empty: none) and, with ``mamba``, of the Mamba state; returns the event
         that reports them."""
@@ -283,7 +291,7 @@ class PushWrites(PrefillMode):
             skip = p.target.computed_tokens // peer.spec.block_size
             read_by = plan.prefill_ranks[e.rank].read_by
             bound = min((peer.infos[r].num_blocks for r in read_by), default=1)
-            target_ids = split_block_ids(p.target.block_ids, len(e.groups), bound, "decode")
+            target_ids = group_arrays(p.target.block_ids, len(e.groups), bound, "decode")
             msg = self._written(p) if layers is None else b""
             for r in read_by:
                 ti, mi = pair_indices(peer.descs[r], e.groups, target_ids, p.groups, skip=skip,
@@ -301,7 +309,7 @@ class PushWrites(PrefillMode):
             err = str(exc) or type(exc).__name__
         except Exception as exc:  # the worker must survive anything
             err = f"{type(exc).__name__}: {exc}"
-        return ("pushed", p, parts, err)
+        return WritesPosted(p, parts, err)
 
     def _written(self, p: Push) -> bytes:
         e = self.engine
@@ -309,11 +317,13 @@ class PushWrites(PrefillMode):
         return encode_notification(Notification(Kind.WRITTEN, p.target.request_id or p.request_id,
                                                 e.spec.tp_size, e.rank, p.target.token), e.notif_key)
 
-    def on_event(self, event: tuple) -> None:
-        _, p, parts, err = event
+    def on_event(self, event: object) -> None:
+        if not isinstance(event, WritesPosted):
+            return
+        p, parts, err = event.push, event.parts, event.error
         p.in_flight -= 1
         if self._pushes.get(p.request_id) is not p:  # failed or timed out meanwhile
-            self.engine._orphans_release(parts.values())
+            self.engine.drop_transfers(parts.values())
             return
         for r, x in parts.items():
             p.seq += 1
@@ -331,7 +341,7 @@ class PushWrites(PrefillMode):
 
     def _finish(self, p: Push, error: str | None, kind: FailureKind | None = None) -> None:
         e = self.engine
-        e._orphans_release(p.transfers.values())
+        e.drop_transfers(p.transfers.values())
         p.transfers.clear()
         self._pushes.pop(p.request_id, None)
         if error is None:
@@ -352,7 +362,7 @@ class PushWrites(PrefillMode):
                 if now >= p.deadline:
                     self._finish(p, "timed out waiting for the handshake", FailureKind.TIMEOUT)
                 continue
-            _, bad = self.engine._sweep(p.transfers, p.peer.engine_id)
+            _, bad = self.engine.sweep(p.transfers, p.peer.engine_id)
             if bad is not None:
                 self._finish(p, f"WRITE to rank {bad[0]} ended in error", FailureKind.TRANSFER)
                 broken.append(p.peer)

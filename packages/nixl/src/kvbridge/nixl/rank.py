@@ -15,7 +15,8 @@ import logging
 import queue
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Hashable, Iterable, Sequence
+from dataclasses import dataclass
 
 import zmq
 
@@ -36,22 +37,21 @@ from kvbridge.memory import (
     advise_huge_pages,
     regions_from_kv_caches,
 )
-from kvbridge.topology import EngineSpec, TopologyError, TransferPlan
+from kvbridge.topology import EngineSpec, TopologyError, TransferPlan, TransferRecord
 
 from .agent import NixlAgent, NixlError, Transfer
 from .config import (
     EngineConfig,
     HandshakeFailed,
-    TransferRecord,
     engine_compat_hash,
     engine_compat_info,
     provisional_spec,
 )
-from .groups import engine_groups, split_block_ids
+from .groups import engine_groups
 from .messages import notification_key
 from .peers import Peer, PeerTable
 from .stats import Stats
-from .worker import EventQueue, Worker
+from .worker import EventQueue, Job, Worker
 
 log = logging.getLogger("kvbridge.nixl")
 
@@ -73,11 +73,27 @@ def record_done(agent: NixlAgent, stats: Stats, transfer: Transfer,
     agent.release_transfer(transfer)
 
 
+@dataclass(frozen=True)
+class HandshakeEnded:
+    """Worker event: the handshake with ``peer`` ended (``peer.error`` says whether it failed)."""
+
+    peer: Peer
+
+
 class RankEngine:
     """The base of :class:`~kvbridge.nixl.PrefillEngine` and :class:`~kvbridge.nixl.DecodeEngine`.
 
     Subclasses set ``self.mode`` (a :mod:`kvbridge.nixl.modes` object) and the
-    planning hooks :meth:`_plan_for`, :meth:`_peer_ranks` and :meth:`_descriptors`.
+    planning hooks :meth:`plan_for`, :meth:`_peer_ranks` and :meth:`_descriptors`.
+
+    The mode objects reach the engine only through its public attributes (``agent``,
+    ``peers``, ``stats``, ``config``, ``spec``, ``rank``, ``groups``, ``notif_key``) and
+    this small surface: :meth:`submit` (run a job on the worker thread), :meth:`report`
+    (a worker job's event for the next ``poll()``), :meth:`drive` (check just-posted
+    transfers on the worker), :meth:`sweep` (check a request's transfers in ``poll()``),
+    :meth:`drop_transfers` (release handles, retrying refused ones) and :meth:`plan_for`;
+    the roles add theirs (:class:`~kvbridge.nixl.DecodeEngine`: ``add``, ``fail``,
+    ``part_done``, ...).
     """
 
     role = "?"
@@ -208,7 +224,10 @@ class RankEngine:
         self._busy_until = time.monotonic() + self.config.busy_after_poll_s
 
     # ----- planning hooks ---------------------------------------------------
-    def _plan_for(self, peer_spec: EngineSpec) -> TransferPlan:
+    def plan_for(self, peer_spec: EngineSpec) -> TransferPlan:
+        """The transfer plan between this engine and a peer engine described by ``peer_spec``
+        (prefill side first); raises :class:`~kvbridge.topology.TopologyError` for a pair it
+        cannot serve."""
         raise NotImplementedError
 
     def _peer_ranks(self, plan: TransferPlan) -> tuple[list[int], list[int]]:
@@ -234,12 +253,12 @@ class RankEngine:
             peer.error = f"{type(exc).__name__}: {exc}"
         peer.handshake_ms = (time.perf_counter() - t0) * 1e3
         peer.handshaked = True
-        self._events.put(("handshake", peer))
+        self._events.put(HandshakeEnded(peer))
 
     def _handshake(self, peer: Peer) -> None:
         timeout = self.config.handshake_timeout_s
         t0 = time.perf_counter()
-        guess = self._plan_for(provisional_spec(self.spec, peer.engine_id, peer.tp_size))
+        guess = self.plan_for(provisional_spec(self.spec, peer.engine_id, peer.tp_size))
         ranks, _ = self._peer_ranks(guess)
         infos = fetch_metadata(peer.host, peer.port, ranks, engine_id=peer.engine_id,
                                compat_hash=self.compat_hash if self.config.enforce_compat else None,
@@ -255,7 +274,7 @@ class RankEngine:
                 f"engine {peer.engine_id!r} registered {first.memory_type} memory, this rank "
                 f"{self.config.mem_type}; configure both engines with the same memory type"
             )
-        plan = self._plan_for(first.spec())
+        plan = self.plan_for(first.spec())
         handshake_ranks, listed = self._peer_ranks(plan)
         if list(handshake_ranks) != list(ranks):  # pragma: no cover - same TP/heads
             raise HandshakeFailed("the peer's engine changes which ranks to handshake with")
@@ -291,10 +310,6 @@ class RankEngine:
             peer.descs[q] = rd
         peer.phases_ms = ((t1 - t0) * 1e3, (t2 - t1) * 1e3, (time.perf_counter() - t2) * 1e3)
 
-    def _group_ids(self, ids, num_blocks: int, what: str) -> tuple:
-        """Block ids (flat, or one list per group) as one checked array per group."""
-        return split_block_ids(ids, len(self.groups), num_blocks, what)
-
     def _remote_geometry(self, peer: Peer, q: int) -> RegionGeometry:
         """Peer rank ``q``'s regions from its handshake numbers (checked against its description)."""
         inf = peer.infos[q]
@@ -325,8 +340,8 @@ class RankEngine:
                 event = self._events.get_nowait()
             except queue.Empty:
                 return
-            if event[0] == "handshake":
-                self._handshake_ended(event[1])
+            if isinstance(event, HandshakeEnded):
+                self._handshake_ended(event.peer)
             else:
                 self.mode.on_event(event)
 
@@ -348,14 +363,26 @@ class RankEngine:
             self.peers.drop(peer, stale=False)
         self.mode.on_handshake(peer, err)
 
-    def _sweep(self, transfers: dict[int, Transfer], peer_engine: str) -> tuple[list[int], int | None]:
-        """Check the transfers of one request, keyed by peer rank, in order.
+    # ----- the surface the mode objects use ---------------------------------------
+    def submit(self, job: Job) -> None:
+        """Run ``job`` on this engine's worker thread, after every job submitted before it
+        (a request's posting job after the handshake it waits for)."""
+        self._worker.submit(job)
+
+    def report(self, event: object) -> None:
+        """Worker thread: queue ``event`` for the caller's next ``poll()``, which hands it to
+        ``mode.on_event`` (in the order reported) and makes :meth:`fileno` readable."""
+        self._events.put(event)
+
+    def sweep(self, transfers: dict[Hashable, Transfer],
+              peer_engine: str) -> tuple[list[Hashable], Hashable | None]:
+        """Check the transfers of one request, keyed by peer rank (or any key), in order.
 
         Finished ones are counted, released and removed from ``transfers``;
-        returns their ranks and the rank of the first one that ended in error
+        returns their keys and the key of the first one that ended in error
         (None if none did; the sweep stops there).
         """
-        done: list[int] = []
+        done: list[Hashable] = []
         for rank, x in list(transfers.items()):
             st = self.agent.state(x)
             if st == "PROC":
@@ -367,7 +394,7 @@ class RankEngine:
             done.append(rank)
         return done, None
 
-    def _drive(self, transfers) -> None:
+    def drive(self, transfers: Iterable[Transfer]) -> None:
         """Worker thread: check the transfers just posted until none is in progress, for at
         most ``complete_in_background_s`` (then ``poll()`` goes on checking them).
 
@@ -388,9 +415,9 @@ class RankEngine:
                 return
             time.sleep(0.00005)
 
-    def _orphans_release(self, transfers) -> None:
+    def drop_transfers(self, transfers: Iterable[Transfer]) -> None:
         """Release transfer handles; those NIXL refuses (still active, e.g. timed out) are
-        retried by :meth:`_release_transfers` on every poll until released."""
+        retried on every ``poll()`` until released."""
         for x in list(transfers):
             if not self.agent.release_transfer(x):
                 log.warning("NIXL refused to release an active %s to %s; retrying later", x.op, x.peer)

@@ -54,14 +54,14 @@ class EventQueue:
     """
 
     def __init__(self) -> None:
-        self._q: queue.SimpleQueue[tuple] = queue.SimpleQueue()
+        self._q: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._r, self._w = os.pipe()
         os.set_blocking(self._r, False)
         os.set_blocking(self._w, False)
         self._lock = threading.Lock()  # no write after close (the fd number may be reused)
         self._closed = False
 
-    def put(self, event: tuple) -> None:
+    def put(self, event: object) -> None:
         self._q.put(event)
         with self._lock:
             if self._closed:
@@ -71,7 +71,7 @@ class EventQueue:
             except OSError:  # the pipe is full: readable already
                 pass
 
-    def get_nowait(self) -> tuple:
+    def get_nowait(self) -> object:
         """The oldest event; raises ``queue.Empty`` when there is none."""
         return self._q.get_nowait()
 

@@ -1,6 +1,8 @@
 """kvbridge transfer-topology math: engines, head placement, read plans, validation.
 
 Standard library only, so operators can plan deployments without torch or NIXL.
+It also holds the transfer engine's plain records (:mod:`~kvbridge.topology.records`:
+``TransferParams``, ``BlockIds``, ...), so callers type them without importing NIXL.
 """
 
 from .blocks import block_size_ratio, blocks_for_tokens, kernel_block_ids
@@ -13,6 +15,16 @@ from .layout import KIND_K, KIND_KV, KIND_V, ElementLayout, element_kinds, eleme
 from .mamba import MambaFacts, MambaPiece
 from .plan import ProducerRankPlan, RankPlan, plan_rank, producer_plans
 from .reads import DimRead, ReadOp, plan_dim, seed_handshake_ranks, tp_ratio
+from .records import (
+    BlockIds,
+    DecodeEvents,
+    Failed,
+    FailureKind,
+    Released,
+    TransferParams,
+    TransferRecord,
+    per_group_block_ids,
+)
 from .render import plan_to_json, plan_to_svg, plan_to_text
 from .shapes import add_shape_arguments, engines_from_args
 from .spec import (
@@ -28,12 +40,14 @@ from .transfer import PostProcess, TransferPlan, plan_transfer
 
 __all__ = [
     "DTYPE_ALIASES", "DTYPE_SIZES", "KIND_K", "KIND_KV", "KIND_V",
-    "CacheGroup", "ConvLayout", "DimRead", "ElementLayout", "EngineSpec", "GroupKind", "HeadOrder",
+    "BlockIds", "CacheGroup", "ConvLayout", "DecodeEvents", "DimRead", "ElementLayout", "EngineSpec",
+    "Failed", "FailureKind", "GroupKind", "HeadOrder",
     "Layout", "MambaFacts", "MambaPiece", "MambaSpec", "PostProcess", "ProducerRankPlan", "RankPlan", "ReadOp",
-    "TopologyError", "TransferPlan", "add_shape_arguments", "block_size_ratio",
+    "Released", "TopologyError", "TransferParams", "TransferPlan", "TransferRecord", "add_shape_arguments", "block_size_ratio",
     "blocks_for_tokens", "canonical_dtype", "check_compatible", "check_tp_heads", "dtype_size",
     "effective_groups", "element_kinds", "element_layout", "engines_from_args", "head_range", "heads_per_rank",
-    "is_replicated", "kernel_block_ids", "mamba_state_bytes", "mamba_state_layout", "plan_dim", "plan_rank",
+    "is_replicated", "kernel_block_ids", "mamba_state_bytes", "mamba_state_layout", "per_group_block_ids",
+    "plan_dim", "plan_rank",
     "plan_to_json", "plan_to_svg", "plan_to_text", "plan_transfer", "producer_plans",
     "ranks_holding", "seed_handshake_ranks", "tp_ratio",
 ]

@@ -52,9 +52,6 @@ class MambaFacts:
     #: attention element pieces first (within a unit), then Mamba pieces (within the page)
     local_split: tuple[tuple[int, tuple[tuple[int, int], ...], tuple[tuple[int, int], ...]], ...]
 
-    def fa_head_slot(self, remote_rank: int) -> int:
-        return dict(self.fa_head_slots)[remote_rank]
-
 
 def mamba_facts(
     local: EngineSpec,

@@ -14,11 +14,20 @@ from multiprocessing.connection import Connection, wait
 
 import torch
 
-from kvbridge.topology import EngineSpec
+from kvbridge.topology import BlockIds, EngineSpec
 
 from ..config import EngineConfig
 from .hybrid import logical_content
 from .local import LocalRanks
+
+
+def per_group(spec: EngineSpec, blocks) -> BlockIds:
+    """The harness's block list of a request as the engines take it: the harness names an
+    engine with one KV-cache group by one flat list, an engine with groups by one list per
+    group (in the order of ``spec.groups``)."""
+    if len(spec.groups) <= 1:
+        return (tuple(int(b) for b in blocks),)
+    return tuple(tuple(int(b) for b in g) for g in blocks)
 
 
 def child_main(conn: Connection, role: str, spec: EngineSpec, ranks: list[int], num_blocks: int,
@@ -178,11 +187,11 @@ def _request_command(cmd: str, arg: tuple, st: _State) -> None:
     if cmd == "hold":
         rid, block_ids, token = arg
         for r in ranks:
-            engines[r].hold(rid, block_ids, token)
+            engines[r].hold(rid, per_group(engines[r].spec, block_ids), token)
     elif cmd == "push":
         rid, block_ids, target = arg
         for r in ranks:
-            engines[r].push(rid, block_ids, target)
+            engines[r].push(rid, per_group(engines[r].spec, block_ids), target)
     else:
         rid, params, local_ids, computed, seed, ntok, pspec, verify, *rest = arg
         if rest[0] if rest else verify:  # zeroed first, so that bytes the transfer failed to write show
@@ -190,12 +199,13 @@ def _request_command(cmd: str, arg: tuple, st: _State) -> None:
                 caches[r].clear(local_ids)
         st.loaded_at[rid] = time.monotonic()
         for r in ranks:
+            ids = per_group(engines[r].spec, local_ids)
             if cmd == "load":
                 t_call = time.perf_counter()
-                engines[r].load(rid, params, local_ids, computed)
+                engines[r].load(rid, params, ids, computed)
                 st.call_us[(r, rid)] = (time.perf_counter() - t_call) * 1e6
             else:  # push: the decode engine is told the prefill geometry it rearranges from
-                engines[r].expect(rid, params.engine_id, params.tp_size, params.token, local_ids,
+                engines[r].expect(rid, params.engine_id, params.tp_size, params.token, ids,
                                   prefill_block_size=pspec.block_size,
                                   prefill_head_order=pspec.head_order,
                                   prefill_kernel_blocks_per_block=pspec.kernel_blocks_per_block)

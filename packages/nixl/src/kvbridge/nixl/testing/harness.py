@@ -17,11 +17,11 @@ from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection, wait
 
 from kvbridge.handshake import new_incarnation
-from kvbridge.topology import EngineSpec, plan_transfer
+from kvbridge.topology import EngineSpec, TransferParams, plan_transfer
 
-from ..config import EngineConfig, TransferParams
+from ..config import EngineConfig
 from ..messages import new_token
-from .child import child_main
+from .child import child_main, per_group
 from .spawn import start_context
 
 _SEEN = {"done": ("done_at", "failed"), "failed": ("done_at", "failed"),  # where a rank's earlier
@@ -197,7 +197,7 @@ class Cluster:
 
     def params(self, rid: str, p_blocks: list[int], token: str) -> TransferParams:
         p = self.prefill
-        return TransferParams(p.spec.engine_id, p.host, p.port, p.spec.tp_size, _ids(p_blocks), token,
+        return TransferParams(p.spec.engine_id, p.host, p.port, p.spec.tp_size, per_group(p.spec, p_blocks), token,
                               p.incarnation)
 
     def fill(self, seed: int, p_blocks: list[int], num_tokens: int | None = None) -> int:
@@ -226,7 +226,7 @@ class Cluster:
             self.decode.broadcast("expect", (rid, params, list(d_blocks), computed_tokens, seed, ntok,
                                              self.prefill.spec, verify), self._absorb)
             target = TransferParams(dspec.engine_id, self.decode.host, self.decode.port, dspec.tp_size,
-                                    _ids(d_blocks), token, computed_tokens=computed_tokens)
+                                    per_group(dspec, d_blocks), token, computed_tokens=computed_tokens)
             self.prefill.broadcast("push", (rid, list(p_blocks), target), self._absorb)
         return params
 
@@ -256,7 +256,7 @@ class Cluster:
             loads.append((rid, params, list(db), 0, seed, ntok, self.prefill.spec, verify,
                           verify and not cleared))
             pushes.append((rid, list(pb), TransferParams(dspec.engine_id, self.decode.host, self.decode.port,
-                                                         dspec.tp_size, _ids(db), token)))
+                                                         dspec.tp_size, per_group(dspec, db), token)))
         if self.mode == "pull":
             self.prefill.broadcast("batch", ("hold", holds), self._absorb)
             self.decode.broadcast("batch", ("load", loads), self._absorb)
@@ -383,11 +383,6 @@ class Cluster:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _ids(blocks) -> tuple:
-    """Block ids for TransferParams: flat, or one tuple per KV-cache group."""
-    return tuple(b if isinstance(b, int) else tuple(b) for b in blocks)
 
 
 def _expect_ok(c: Connection, timeout: float, sink) -> None:
