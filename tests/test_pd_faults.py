@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 
 from kvbridge.nixl import AgentConfig, EngineConfig
-from kvbridge.nixl.testing.harness import Cluster, spec_pair
+from kvbridge.tools.harness import Cluster, spec_pair
 
 pytestmark = pytest.mark.timeout(400)
 

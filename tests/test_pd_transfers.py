@@ -15,7 +15,7 @@ import time
 import pytest
 
 from kvbridge.nixl import EngineConfig
-from kvbridge.nixl.testing.harness import Cluster, spec_pair
+from kvbridge.tools.harness import Cluster, spec_pair
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -6,7 +6,7 @@ starts some thirty engines, so the imports were most of its time. The harness
 therefore starts engines through the standard library's fork server
 (``multiprocessing.get_context("forkserver")``) with vLLM and ``engine_runner``
 preloaded: the server imports them once, and every engine is a fork of it (as
-``kvbridge.nixl.testing.spawn`` does for the soak's harness processes). The child
+``kvbridge.tools.process_start`` does for the soak's harness processes). The child
 becomes its own session leader (the harness stops it and its TP workers as a
 process group), takes the harness's pipe as stdin and the engine log as stdout
 and stderr, switches to the engine's environment and working directory, and

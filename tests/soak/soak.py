@@ -23,11 +23,12 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
+import faults as F  # tests/soak/faults.py, beside this script
+from probes import Series, flatness_problems, probe  # tests/soak/probes.py
+
 from kvbridge.nixl import AgentConfig, EngineConfig
 from kvbridge.nixl.messages import Kind
-from kvbridge.nixl.testing import faults as F
-from kvbridge.nixl.testing.harness import Cluster, EngineGroup, spec_pair
-from kvbridge.nixl.testing.probes import Series, flatness_problems, probe
+from kvbridge.tools.harness import Cluster, EngineGroup, spec_pair
 
 CONFIG = dict(agent=AgentConfig(num_threads=1), lease_s=2.0, renew_interval_s=0.5,
               handshake_timeout_s=1.0, transfer_timeout_s=2.0)

@@ -21,8 +21,8 @@ from kvbridge.nixl import (
     PrefillEngine,
     TransferParams,
 )
-from kvbridge.nixl.testing.local import LocalRanks
-from kvbridge.nixl.testing.synthetic import SyntheticCache, logical_kv
+from kvbridge.tools.local_ranks import LocalRanks
+from kvbridge.tools.synthetic_cache import SyntheticCache, logical_kv
 from kvbridge.topology import EngineSpec, kernel_block_ids, plan_transfer
 
 pytestmark = pytest.mark.timeout(120)

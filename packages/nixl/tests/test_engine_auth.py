@@ -25,7 +25,7 @@ from kvbridge.nixl import (
     notification_key,
     parse_notification,
 )
-from kvbridge.nixl.testing.synthetic import logical_kv
+from kvbridge.tools.synthetic_cache import logical_kv
 
 pytestmark = pytest.mark.timeout(120)
 

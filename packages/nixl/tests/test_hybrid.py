@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from kvbridge.nixl import AgentConfig, EngineConfig, TransferParams
-from kvbridge.nixl.testing.hybrid import HybridCache, logical_content, with_hybrid_groups
-from kvbridge.nixl.testing.local import LocalRanks
+from kvbridge.tools.hybrid_cache import HybridCache, logical_content, with_hybrid_groups
+from kvbridge.tools.local_ranks import LocalRanks
 from kvbridge.topology import EngineSpec, MambaSpec
 
 pytestmark = pytest.mark.timeout(120)
@@ -208,7 +208,7 @@ def _shared_ranks(role, spec, cfg, serve):
     sliding-window layer (entry 2j + 1), as vLLM's hybrid allocator shares tensors."""
     from kvbridge.handshake import new_incarnation
     from kvbridge.nixl import DecodeEngine, PrefillEngine
-    from kvbridge.nixl.testing.synthetic import SyntheticCache
+    from kvbridge.tools.synthetic_cache import SyntheticCache
 
     cls = PrefillEngine if role == "p" else DecodeEngine
     caches, engines = {}, {}
@@ -236,7 +236,7 @@ def sliding(engine_id, tp):
 @pytest.mark.parametrize("mode", ["pull", "push"])
 @pytest.mark.parametrize("p_tp,d_tp", [(2, 1), (1, 1)])
 def test_sliding_window_moves_only_blocks_inside_the_window(p_tp, d_tp, mode):
-    from kvbridge.nixl.testing.synthetic import logical_kv
+    from kvbridge.tools.synthetic_cache import logical_kv
 
     cfg = replace(CFG, mode=mode)
     eng = Engines.__new__(Engines)
@@ -309,7 +309,7 @@ def test_a_group_moves_only_the_regions_holding_its_layers(mode):
         dc = eng.d.caches[0]
         dc.regions[1][6] = 0x3C
         eng.move("g", p_ids, d_ids, content, fill=False)
-        from kvbridge.nixl.testing.synthetic import SyntheticCache
+        from kvbridge.tools.synthetic_cache import SyntheticCache
 
         assert SyntheticCache.verify(dc, content.kv, [4, 5], 0, 32) == 0
         shard = dc.state_shard(content, 0)

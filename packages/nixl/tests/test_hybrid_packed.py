@@ -13,7 +13,7 @@ import pytest
 import torch
 from test_hybrid import CFG, NULL, Engines
 
-from kvbridge.nixl.testing.hybrid import HybridCache, logical_content, with_hybrid_groups
+from kvbridge.tools.hybrid_cache import HybridCache, logical_content, with_hybrid_groups
 from kvbridge.topology import EngineSpec, MambaSpec, TopologyError, mamba_state_bytes
 
 pytestmark = pytest.mark.timeout(120)

@@ -10,7 +10,7 @@ import pytest
 from test_engine import CFG, D, P, Pair
 
 from kvbridge.nixl import TransferParams
-from kvbridge.nixl.testing.synthetic import logical_kv
+from kvbridge.tools.synthetic_cache import logical_kv
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -10,9 +10,9 @@ import time
 import pytest
 
 from kvbridge.nixl import AgentConfig, EngineConfig
-from kvbridge.nixl.testing.local import LocalRanks
-from kvbridge.nixl.testing.synthetic import logical_kv
 from kvbridge.nixl.worker import EventQueue
+from kvbridge.tools.local_ranks import LocalRanks
+from kvbridge.tools.synthetic_cache import logical_kv
 from kvbridge.topology import EngineSpec
 
 pytestmark = pytest.mark.timeout(120)

@@ -14,7 +14,8 @@ Modules, by concept: :mod:`~kvbridge.nixl.config` (knobs), :mod:`~kvbridge.nixl.
 (the two transfer directions), :mod:`~kvbridge.nixl.ledger` (request bookkeeping),
 :mod:`~kvbridge.nixl.messages` (notifications), :mod:`~kvbridge.nixl.stats` (counters).
 ``kvbridge demo``, ``kvbridge bench``, the multi-process harness and the synthetic
-caches live in :mod:`kvbridge.nixl.testing`, outside the runtime path.
+caches live in the separate distribution kvbridge-tools (``kvbridge.tools``), which this
+package never imports.
 """
 
 from kvbridge.topology import (

@@ -3,7 +3,7 @@
 ``kvbridge plan`` lives here (standard library only). Other packages add
 subcommands through the entry-point group ``kvbridge.commands``: each entry
 point is a callable taking the remaining ``argv`` and returning an exit code
-(kvbridge-nixl adds ``demo`` and ``bench``).
+(kvbridge-tools adds ``demo`` and ``bench``).
 """
 
 from __future__ import annotations
@@ -79,14 +79,14 @@ def main(argv: list[str] | None = None) -> int:
         for name, what in commands.items():
             print(f"  {name:<8} {what}")
         if "demo" not in commands:
-            print("\n(install kvbridge-nixl for the demo and bench commands)")
+            print("\n(install kvbridge-tools for the demo and bench commands)")
         return 0 if argv else 2
     cmd, rest = argv[0], argv[1:]
     if cmd == "plan":
         return run_plan(rest)
     ep = plugins.get(cmd)
     if ep is None:
-        hint = " (install kvbridge-nixl for demo and bench)" if cmd in ("demo", "bench") else ""
+        hint = " (install kvbridge-tools for demo and bench)" if cmd in ("demo", "bench") else ""
         print(f"kvbridge: unknown command {cmd!r}{hint}; commands: {', '.join(commands)}", file=sys.stderr)
         return 2
     return int(ep.load()(rest) or 0)

@@ -7,8 +7,8 @@ import re
 
 import pytest
 
-from kvbridge.nixl.testing.bench import KEYS, bench_command
-from kvbridge.nixl.testing.demo import demo_command
+from kvbridge.tools.bench import KEYS, bench_command
+from kvbridge.tools.demo import demo_command
 
 pytestmark = pytest.mark.timeout(400)
 

@@ -62,11 +62,10 @@ from dataclasses import replace
 import numpy as np
 
 from kvbridge.memory import RegionGeometry, rank_descriptors
+from kvbridge.nixl import AgentConfig, EngineConfig, NixlAgent
 from kvbridge.topology import EngineSpec, element_layout, plan_rank
 
-from ..agent import AgentConfig, NixlAgent
-from ..config import EngineConfig
-from .bare import BareReader
+from .bare_nixl import BareReader
 from .harness import Cluster
 from .memcpy import memcpy_gbps
 

@@ -1,6 +1,6 @@
 """The engine processes of :mod:`.harness`: one loop per process, driven over a pipe.
 
-Each process runs some ranks of one engine (:class:`.local.LocalRanks`) and
+Each process runs some ranks of one engine (:class:`.local_ranks.LocalRanks`) and
 answers the parent's commands (fill, hold, load, ...); decode processes verify
 every received byte against the expected shard and report it.
 """
@@ -14,11 +14,11 @@ from multiprocessing.connection import Connection, wait
 
 import torch
 
+from kvbridge.nixl import EngineConfig
 from kvbridge.topology import BlockIds, EngineSpec
 
-from ..config import EngineConfig
-from .hybrid import logical_content
-from .local import LocalRanks
+from .hybrid_cache import logical_content
+from .local_ranks import LocalRanks
 
 
 def per_group(spec: EngineSpec, blocks) -> BlockIds:

@@ -1,13 +1,13 @@
-"""The soak's seeded fault schedule and its flatness rule (pure logic; the soak itself is
-tests/soak/soak.py), and the /proc probe on this process."""
+"""The soak's seeded fault schedule (faults.py) and its flatness rule (probes.py), pure logic
+(the soak itself is soak.py beside them), and the /proc probe on this process."""
 
 from __future__ import annotations
 
 import os
 import socket
 
-from kvbridge.nixl.testing import faults as F
-from kvbridge.nixl.testing.probes import ProcSample, Series, flatness_problems, probe
+import faults as F  # tests/soak/faults.py (pytest puts tests/soak on sys.path)
+from probes import ProcSample, Series, flatness_problems, probe
 
 
 def test_schedule_is_seeded_and_places_every_kind():

@@ -13,14 +13,11 @@ import numpy as np
 
 from kvbridge.handshake import MetadataServer, new_incarnation
 from kvbridge.memory import kernel_spec
+from kvbridge.nixl import DecodeEngine, EngineConfig, PrefillEngine
 from kvbridge.topology import EngineSpec, kernel_block_ids
 
-from ..config import EngineConfig
-from ..decode import DecodeEngine
-from ..prefill import PrefillEngine
-from ..rank import RankEngine
-from .hybrid import HybridCache
-from .synthetic import SyntheticCache
+from .hybrid_cache import HybridCache
+from .synthetic_cache import SyntheticCache
 
 
 @dataclass
@@ -30,7 +27,7 @@ class LocalRanks:
 
     spec: EngineSpec
     caches: dict[int, SyntheticCache]
-    engines: dict[int, RankEngine]
+    engines: dict[int, PrefillEngine | DecodeEngine]
     server: MetadataServer | None = None
 
     @classmethod
@@ -60,7 +57,7 @@ class LocalRanks:
         return out
 
     def fill(self, kv: np.ndarray, blocks: Iterable[int]) -> None:
-        """Write a request's KV content (:func:`~kvbridge.nixl.testing.synthetic.logical_kv`)
+        """Write a request's KV content (:func:`~.synthetic_cache.logical_kv`)
         into the logical ``blocks`` of every rank's cache."""
         ids = list(kernel_block_ids(list(blocks), self.spec.kernel_blocks_per_block))
         for c in self.caches.values():

@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from kvbridge.nixl.testing.demo import demo_command
+from kvbridge.tools.demo import demo_command
 
 pytestmark = pytest.mark.timeout(400)
 

@@ -36,7 +36,7 @@ from kvbridge.topology import (
     mamba_state_layout,
 )
 
-from .synthetic import SyntheticCache, flat_block_ids, logical_kv
+from .synthetic_cache import SyntheticCache, flat_block_ids, logical_kv
 
 PIECES = ("x", "B", "C", "ssm")
 

@@ -3,7 +3,7 @@
 :func:`schedule` decides, from a seed, which faults happen at which wave of
 requests (every kind at least once). The destructive faults (signals to
 engine processes) are carried out by the soak driver through the harness
-(:meth:`~kvbridge.nixl.testing.harness.EngineGroup.signal`); this module sends
+(:meth:`kvbridge.tools.harness.EngineGroup.signal`); this module sends
 the hostile traffic: garbage to a metadata server (:func:`garbage_side_channel`)
 and forged NIXL notifications from an agent of its own (:func:`forge_notifications`).
 """
@@ -19,9 +19,7 @@ import msgspec
 import zmq
 
 from kvbridge.handshake import fetch_metadata
-
-from ..agent import AgentConfig, NixlAgent
-from ..messages import Kind, Notification, encode_notification, new_token
+from kvbridge.nixl import AgentConfig, Kind, NixlAgent, Notification, encode_notification, new_token
 
 KILL_PREFILL_RANK = "kill-prefill-rank"  # SIGKILL one prefill process right after a wave is posted
 FREEZE_PREFILL_RANK = "freeze-prefill-rank"  # SIGSTOP one, longer than the transfer timeout

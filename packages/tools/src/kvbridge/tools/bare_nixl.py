@@ -19,11 +19,11 @@ from multiprocessing.connection import Connection
 import numpy as np
 
 from kvbridge.memory import RegionGeometry, advise_huge_pages, kernel_spec, rank_descriptors
+from kvbridge.nixl import AgentConfig, NixlAgent
 from kvbridge.topology import EngineSpec, element_layout, plan_rank
 
-from ..agent import AgentConfig, NixlAgent
-from .spawn import start_context
-from .synthetic import SyntheticCache
+from .process_start import start_context
+from .synthetic_cache import SyntheticCache
 
 
 def _source(conn: Connection, spec: EngineSpec, num_blocks: int, threads: int) -> None:

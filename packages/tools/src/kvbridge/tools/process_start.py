@@ -20,5 +20,5 @@ def start_context(method: str = "spawn"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL logs INFO lines to stdout otherwise
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["kvbridge.nixl.testing.harness", "nixl._api"])
+    ctx.set_forkserver_preload(["kvbridge.tools.harness", "nixl._api"])
     return ctx

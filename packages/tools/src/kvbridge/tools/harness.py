@@ -17,12 +17,11 @@ from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection, wait
 
 from kvbridge.handshake import new_incarnation
+from kvbridge.nixl import EngineConfig, new_token
 from kvbridge.topology import EngineSpec, TransferParams, plan_transfer
 
-from ..config import EngineConfig
-from ..messages import new_token
-from .child import child_main, per_group
-from .spawn import start_context
+from .engine_process import child_main, per_group
+from .process_start import start_context
 
 _SEEN = {"done": ("done_at", "failed"), "failed": ("done_at", "failed"),  # where a rank's earlier
          "verified": ("done",), "released": ("released",)}  # report of a request is kept

@@ -11,6 +11,7 @@ import time
 
 import numpy as np
 
+from kvbridge.nixl import AgentConfig, EngineConfig, Stats
 from kvbridge.topology import (
     TopologyError,
     add_shape_arguments,
@@ -20,13 +21,10 @@ from kvbridge.topology import (
     plan_transfer,
 )
 
-from ..agent import AgentConfig
-from ..config import EngineConfig
-from ..stats import Stats
 from .harness import Cluster, HarnessError
-from .hybrid import with_hybrid_groups
+from .hybrid_cache import with_hybrid_groups
 from .memcpy import memcpy_gbps
-from .progress import Progress, Ticker
+from .progress_bars import progress, ticker
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -125,7 +123,7 @@ def _run(args, prefill, decode, n_p: int, n_d: int, ntok: int, num_blocks: int) 
                 ranks_per_process=args.ranks_per_process)
     nproc = len(_groups(prefill, args)) + len(_groups(decode, args))
     try:
-        with Ticker(f"starting {nproc} engine processes"):
+        with ticker(f"starting {nproc} engine processes"):
             c.start()
         _run_batch(args, c, rng, out, n_p, n_d, ntok, t_start)
     finally:
@@ -141,7 +139,7 @@ def _run_batch(args, c: Cluster, rng, out: dict, n_p: int, n_d: int, ntok: int, 
     p_slots, d_slots = rng.permutation(args.requests), rng.permutation(args.requests)
     batch = []
     t = time.monotonic()
-    with Progress("filling prefill caches", args.requests) as bar:
+    with progress("filling prefill caches", args.requests, unit="request") as bar:
         for i in range(args.requests):
             pb = list(range(int(p_slots[i]) * n_p, int(p_slots[i]) * n_p + n_p))
             db = list(range(int(d_slots[i]) * n_d, int(d_slots[i]) * n_d + n_d))
@@ -149,7 +147,7 @@ def _run_batch(args, c: Cluster, rng, out: dict, n_p: int, n_d: int, ntok: int, 
                 pb, db = _hybrid_ids(pb, i, n_p, args.requests), _hybrid_ids(db, i, n_d, args.requests)
             c.fill(1000 + i, pb, ntok)
             batch.append((f"req-{i}", 1000 + i, pb, db, ntok))
-            bar()
+            bar.update()
     out["fill_s"] = time.monotonic() - t
     # the first request (the batch's first one again, alone) pays the handshake
     _, seed, pb, db, _ = batch[0]
@@ -172,10 +170,10 @@ def _round(args, c: Cluster, mover, batch: list[tuple], results: dict, label: st
     # zero the batch's decode blocks now (so that bytes a transfer fails to write show):
     # verification work of the harness, kept out of the batch's time
     c.clear_decode([b for *_, db, _ in batch for b in db])
-    with Progress(f"transferring, {label}", len(batch)) as bar:
+    with progress(f"transferring, {label}", len(batch), unit="request") as bar:
         t0 = time.monotonic()
         c.submit_batch(batch, cleared=True)
-        res = c.wait([b[0] for b in batch], timeout=300, released=args.mode == "pull", on_progress=bar)
+        res = c.wait([b[0] for b in batch], timeout=300, released=args.mode == "pull", on_progress=bar.update)
     results.update(res)
     after = c.rank_stats(mover)
     tp = range(c.decode.spec.tp_size)

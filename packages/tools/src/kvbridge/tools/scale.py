@@ -34,14 +34,13 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from kvbridge.nixl import AgentConfig, EngineConfig
 from kvbridge.topology import EngineSpec
 
-from ..agent import AgentConfig
-from ..config import EngineConfig
+from .chart import FORMATS, Panel, save
 from .harness import Cluster, HarnessError
 from .memcpy import memcpy_gbps
-from .progress import Progress, Ticker
-from .svgplot import Panel, svg
+from .progress_bars import progress, ticker
 
 RSS_SLACK_MIB = 4.0  # allowed RSS growth per process from the first checkpoint to the last
 INFLIGHT_BLOCKS = 128  # blocks per request in the requests-in-flight sweep
@@ -211,16 +210,16 @@ def run_scale(block_counts: list[int], inflight_counts: list[int], total_request
     cfg = EngineConfig(agent=AgentConfig(num_threads=1), transfer_timeout_s=300)
     c = Cluster(scale_spec("scale-prefill"), scale_spec("scale-decode"), num_blocks=num_blocks, config=cfg)
     try:
-        with Ticker("scale: starting 2 engine processes"):
+        with ticker("scale: starting 2 engine processes"):
             c.start()
         run = _Run(c)
         run.move(1, 1)  # the handshake, outside every figure
-        with Progress("scale: blocks per request", len(block_counts) * reps) as bar:
-            blocks = run.blocks_sweep(block_counts, reps, bar)
-        with Progress("scale: requests in flight", len(inflight_counts) * reps) as bar:
-            inflight = run.inflight_sweep(inflight_counts, reps, bar)
-        with Progress("scale: flatness", total_requests) as bar:
-            cps = run.flatness(total_requests, checkpoints, bar)
+        with progress("scale: blocks per request", len(block_counts) * reps, unit="rep") as bar:
+            blocks = run.blocks_sweep(block_counts, reps, bar.update)
+        with progress("scale: requests in flight", len(inflight_counts) * reps, unit="rep") as bar:
+            inflight = run.inflight_sweep(inflight_counts, reps, bar.update)
+        with progress("scale: flatness", total_requests, unit="request") as bar:
+            cps = run.flatness(total_requests, checkpoints, bar.update)
     finally:
         c.close()
     flat, why = flatness_verdict(cps)
@@ -248,7 +247,8 @@ def print_report(r: ScaleResult) -> None:
     print(r.verdict)
 
 
-def write_svg(r: ScaleResult, path: str) -> None:
+def write_plot(r: ScaleResult, path: str) -> None:
+    """The curves of ``r`` as a chart: SVG, PNG or PDF by the extension of ``path``."""
     panels = [
         Panel("Cost per request vs blocks per request", "blocks per request", "ms (log)", {
             "transfer (load to completion)": [(p.x, p.transfer_ms) for p in r.blocks],
@@ -259,8 +259,7 @@ def write_svg(r: ScaleResult, path: str) -> None:
     ]
     note = (f"kvbridge bench --scale: {BLOCK_BYTES // 1024} KiB blocks in 4 descriptors, TP 1 -> 1 pull over "
             f"NIXL/UCX in host memory; memcpy {r.memcpy_gbps:.1f} GB/s in the same run. {r.verdict.split(' (')[0]}")
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(svg(panels, note=note))
+    save(panels, path, note=note)
 
 
 def _ints(text: str) -> list[int]:
@@ -283,9 +282,14 @@ def scale_main(argv: list[str]) -> int:
     p.add_argument("--checkpoints", type=_ints, default=[1000, 5000, 10000], metavar="N,N,...",
                    help="where the flatness run reports resources and RSS (default 1000,5000,10000)")
     p.add_argument("--reps", type=int, default=3, help="repetitions per point (median; default 3)")
-    p.add_argument("--plot", metavar="FILE.svg", help="write the curves as an SVG chart")
+    p.add_argument("--plot", metavar="FILE.svg",
+                   help="write the curves as a chart (matplotlib): .svg, .png or .pdf")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     args = p.parse_args(argv)
+    if args.plot and os.path.splitext(args.plot)[1].lstrip(".").lower() not in FORMATS:
+        print(f"kvbridge bench --scale: error: --plot {args.plot}: name the chart .svg, .png or "
+              ".pdf", file=sys.stderr)
+        return 2
     cps = [x for x in args.checkpoints if x <= args.total]
     if args.total < 2 or len(set(cps) | {args.total}) < 2 or args.reps < 1:
         print("kvbridge bench --scale: error: --total needs at least two checkpoints at or below it "
@@ -298,5 +302,5 @@ def scale_main(argv: list[str]) -> int:
     else:
         print_report(r)
     if args.plot:
-        write_svg(r, args.plot)
+        write_plot(r, args.plot)
     return 0 if r.flat else 1
