@@ -45,7 +45,7 @@ from kvbridge.vllm.config import (
     check_engine_support,
     parse_connector_config,
 )
-from kvbridge.vllm.halves import empty_orders, scheduler_half, worker_half
+from kvbridge.vllm.halves import MODES, scheduler_half, worker_half
 from kvbridge.vllm.kv_cache_groups import GroupFacts, attention_block_size, group_facts
 from kvbridge.vllm.metrics import KVBridgePromMetrics, KVBridgeStats
 from kvbridge.vllm.modes import Orders, SchedulerMode, TransferResults
@@ -158,7 +158,7 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         self._side: SideChannel | None = None
         self._worker: RankEngines | None = None
         #: the mode's orders of a step with nothing to do (before any metadata is bound)
-        self._no_orders = empty_orders(self.config)
+        self._no_orders = MODES[self.config.mode].no_orders
         if role == KVConnectorRole.SCHEDULER:
             self._sched, self._side = scheduler_half(
                 engine_id=self.engine_id, block_size=self.block_size,
