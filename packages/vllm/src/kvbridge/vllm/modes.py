@@ -20,11 +20,14 @@ This module imports nothing from vLLM, torch or NIXL.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvbridge.vllm.params import BlockIds
+
+if TYPE_CHECKING:  # kvbridge.handshake imports ZMQ; this module stays free of it
+    from kvbridge.handshake import OfferHandler
 
 __all__ = [
     "Allocated",
@@ -92,7 +95,7 @@ class SchedulerMode(ABC):
     """
 
     #: the side channel's push-offer handler (push mode), None when the mode takes none
-    offer_handler: Callable[[Any], Any] | None = None
+    offer_handler: OfferHandler | None = None
 
     @abstractmethod
     def on_new_request(self, request_id: str, params: Mapping[str, Any] | None,
