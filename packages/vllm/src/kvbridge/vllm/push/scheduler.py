@@ -77,9 +77,20 @@ class _Waiting:
     offer: PushOffer | None = None
     offer_at: float = 0.0
     released: bool = False  # told vLLM to schedule it
-    block_ids: tuple[int, ...] = ()
+    block_ids: BlockIds = ()  # its blocks so far, per KV-cache group
     ordered: bool = False
     pushed: bool = False
+
+
+def _extended(have: BlockIds, new: Sequence[Sequence[int]]) -> BlockIds:
+    """``have`` with a step's newly allocated blocks appended, per group (once: a group
+    whose new blocks are already there is left as it is)."""
+    out = []
+    for i, group in enumerate(new):
+        mine = have[i] if i < len(have) else ()
+        extra = tuple(int(b) for b in group)
+        out.append(mine + extra if extra and extra[0] not in mine else mine)
+    return tuple(out) + have[len(new):]
 
 
 class PushScheduler(SchedulerMode):
@@ -176,7 +187,7 @@ class PushScheduler(SchedulerMode):
         elif r.remote_decode:
             w = self._waiting.get(request_id)
             if w is not None and w.offer is not None and blocks.block_ids:
-                w.block_ids = tuple(int(b) for b in blocks.block_ids[0])
+                w.block_ids = blocks.block_ids
 
     def take_orders(self, progress: Sequence[StepProgress] = ()) -> PushOrders:
         """This step's push orders (``progress``: the step's scheduled requests, whose
@@ -269,22 +280,21 @@ class PushScheduler(SchedulerMode):
             w = self._waiting.get(rid)
             if w is None or w.offer is None or w.ordered:
                 continue
-            if new_blocks and new_blocks[0]:
-                extra = tuple(int(b) for b in new_blocks[0])
-                if extra[:1] and extra[0] not in w.block_ids:
-                    w.block_ids = w.block_ids + extra
+            if new_blocks:
+                w.block_ids = _extended(w.block_ids, new_blocks)
             if before + now < w.num_prompt_tokens:
                 continue  # a chunk of a longer prompt: push with the last one
             o = w.offer
             w.ordered = True
-            ids = w.block_ids[:blocks_for_tokens(w.num_prompt_tokens, self.block_size)]
-            target_ids = tuple(int(b) for b in o.block_ids[0]) if o.block_ids else ()
-            if not target_ids or not ids:
+            n = blocks_for_tokens(w.num_prompt_tokens, self.block_size)
+            ids = tuple(g[:n] for g in w.block_ids)
+            target_ids = tuple(tuple(int(b) for b in g) for g in o.block_ids)
+            if not (target_ids and target_ids[0]) or not (ids and ids[0]):
                 continue  # the decode engine needs nothing (all of it cached there)
             target = TransferParams(engine_id=o.engine_id, host=o.host, port=o.port, tp_size=o.tp_size,
-                                    block_ids=(target_ids,), token=o.token, incarnation=o.incarnation,
+                                    block_ids=target_ids, token=o.token, incarnation=o.incarnation,
                                     request_id=o.request_id, computed_tokens=o.computed_tokens)
-            self._pushes.append(PushOrder(rid, (ids,), target, self.layerwise))
+            self._pushes.append(PushOrder(rid, ids, target, self.layerwise))
             w.pushed = True
 
     # ----- decode side ------------------------------------------------------------
