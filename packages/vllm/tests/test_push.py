@@ -157,7 +157,7 @@ def test_a_chunked_prompt_is_pushed_with_its_last_chunk(engines) -> None:
     p.sched.mode.after_alloc("p-3", pparams, 0, alloc([[4]]), 0)
     p.progress = [("p-3", 0, 16, None)]
     assert p.step()[0].pushes == ()
-    p.progress = [("p-3", 16, 24, ([8, 9],))]
+    p.progress = [("p-3", 16, 24, ((8, 9),))]
     (push,) = p.step()[0].pushes
     assert push.block_ids == ((4, 8, 9),)
 

@@ -42,7 +42,7 @@ __all__ = [
 
 #: one scheduled request of a step: (id, tokens computed before the step, tokens scheduled
 #: in it, newly allocated block ids per group or None)
-StepProgress = tuple[str, int, int, Sequence[Sequence[int]] | None]
+StepProgress = tuple[str, int, int, BlockIds | None]
 
 
 class Allocation(Protocol):

@@ -209,13 +209,18 @@ def step_progress(scheduler_output: SchedulerOutput) -> list[StepProgress]:
     scheduled = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
     out = []
     for r in getattr(scheduler_output, "scheduled_new_reqs", None) or ():
-        out.append((r.req_id, int(r.num_computed_tokens), int(scheduled.get(r.req_id, 0)), r.block_ids))
+        out.append((r.req_id, int(r.num_computed_tokens), int(scheduled.get(r.req_id, 0)),
+                    _block_ids(r.block_ids)))
     cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
     if cached is not None:
         for i, rid in enumerate(cached.req_ids):
             out.append((rid, int(cached.num_computed_tokens[i]), int(scheduled.get(rid, 0)),
-                        cached.new_block_ids[i]))
+                        _block_ids(cached.new_block_ids[i])))
     return out
+
+
+def _block_ids(groups: Sequence[Sequence[int]] | None) -> BlockIds | None:
+    return None if groups is None else tuple(tuple(int(b) for b in g) for g in groups)
 
 
 class VllmAllocation:

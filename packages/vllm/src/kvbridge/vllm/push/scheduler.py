@@ -82,14 +82,13 @@ class _Waiting:
     pushed: bool = False
 
 
-def _extended(have: BlockIds, new: Sequence[Sequence[int]]) -> BlockIds:
+def _extended(have: BlockIds, new: BlockIds) -> BlockIds:
     """``have`` with a step's newly allocated blocks appended, per group (once: a group
     whose new blocks are already there is left as it is)."""
     out = []
     for i, group in enumerate(new):
         mine = have[i] if i < len(have) else ()
-        extra = tuple(int(b) for b in group)
-        out.append(mine + extra if extra and extra[0] not in mine else mine)
+        out.append(mine + group if group and group[0] not in mine else mine)
     return tuple(out) + have[len(new):]
 
 
