@@ -15,7 +15,7 @@ from kvbridge.vllm import (  # noqa: E402
     KVBridgeHandshake,
     KVBridgePromMetrics,
     KVBridgeStats,
-    StepOrders,
+    PullOrders,
 )
 
 
@@ -70,7 +70,7 @@ def test_prometheus_metrics_observe_per_transfer_and_count_failures() -> None:
 
 
 def test_wire_values_pickle() -> None:
-    meta = KVBridgeConnectorMetadata(StepOrders(holds=(HoldOrder("r", (1, 2), "t" * 32),)))
+    meta = KVBridgeConnectorMetadata(PullOrders(holds=(HoldOrder("r", ((1, 2),), "t" * 32),)))
     assert pickle.loads(pickle.dumps(meta)).orders == meta.orders
     hs = KVBridgeHandshake(0, "abc", b"\x81\x00")
     assert pickle.loads(pickle.dumps(hs)) == hs

@@ -12,18 +12,18 @@ from types import SimpleNamespace
 import pytest
 import torch
 import vllm_shapes as vs
+from halves_wiring import SchedulerHalves, alloc
 
 from kvbridge.topology import ConvLayout, EngineSpec, GroupKind, Layout, mamba_state_bytes
 from kvbridge.vllm import (
     ConnectorConfig,
     EngineRoles,
-    SchedulerSide,
-    WorkerSide,
     register_caches,
     shims,
+    worker_half,
 )
 from kvbridge.vllm.cachespec import CacheShapeError
-from kvbridge.vllm.groups import group_facts, mamba_spec_for, split_mamba_state
+from kvbridge.vllm.kv_cache_groups import group_facts, mamba_spec_for, split_mamba_state
 from kvbridge.vllm.params import encode_remote_prefill
 
 pytestmark = pytest.mark.timeout(120)
@@ -144,9 +144,9 @@ def test_mamba_hybrid_registers_state_and_attention(family) -> None:
 
 
 def _state(kinds, **kw):
-    s = SchedulerSide(engine_id="D", block_size=128, tp_size=1, config=CFG, port=1, roles=DECODE,
-                      group_kinds=kinds, **kw)
-    return s.state
+    s = SchedulerHalves(engine_id="D", block_size=128, tp_size=1, config=CFG, port=1, roles=DECODE,
+                        group_kinds=kinds, **kw)
+    return s.mode
 
 
 def _params(block_ids, *, tokens: int, tp: int = 1) -> dict:
@@ -163,10 +163,10 @@ def test_decode_side_checks_each_group() -> None:
     # Granite: one Mamba block (the state after the prompt minus its last token), attention blocks
     ok = _params([[7], [3, 4]], tokens=149)
     assert st.matched_tokens("a", ok, 150, 0) == (149, True)
-    st.after_alloc("a", ok, 150, [[5], [1, 2]], 0, 149)
+    st.after_alloc("a", ok, 150, alloc([[5], [1, 2]], 0), 149)
     (load,) = st.take_orders().loads
     assert load.local_block_ids == ((5,), (1, 2))
-    assert load.source.transfer.block_ids == ((7,), (3, 4))
+    assert load.source.block_ids == ((7,), (3, 4))
     # a single-group parameter set (another model, or a NixlConnector-style flat list) is refused
     flat = dict(_params([[3, 4]], tokens=149), remote_block_ids=[3, 4])
     assert st.matched_tokens("b", flat, 150, 0) == (0, False)
@@ -182,14 +182,15 @@ def test_equal_tp_only_models_compute_other_tp_sizes_locally(caplog) -> None:
 
 
 def test_prefill_side_holds_and_ships_every_group() -> None:
-    s = SchedulerSide(engine_id="P", block_size=128, tp_size=1, config=CFG, port=5999, roles=PREFILL,
-                      group_kinds=("sliding",) * 3 + ("full",))
-    s.state.set_incarnation("inc")
+    s = SchedulerHalves(engine_id="P", block_size=128, tp_size=1, config=CFG, port=5999, roles=PREFILL,
+                        group_kinds=("sliding",) * 3 + ("full",))
+    s.mode.set_served("inc", {})
     groups = ([0, 0, 9], [0, 0, 10], [0, 0, 11], [1, 2, 3])  # sliding groups: null outside the window
-    keep, out = s.state.finished("r", {"do_remote_decode": True}, completed=True, block_ids=groups,
-                                 num_computed_tokens=300, num_prompt_tokens=300)
+    keep, out = s.mode.finished("r", {"do_remote_decode": True}, completed=True,
+                                block_ids=tuple(tuple(g) for g in groups),
+                                num_computed_tokens=300, num_prompt_tokens=300)
     assert keep and out["remote_block_ids"] == [list(g) for g in groups]
-    (hold,) = s.state.take_orders().holds
+    (hold,) = s.mode.take_orders().holds
     assert hold.block_ids == tuple(tuple(g) for g in groups)
 
 
@@ -216,15 +217,24 @@ def test_loads_keep_null_blocks_so_groups_pair_by_position() -> None:
 
 
 def test_prefill_requests_of_mamba_hybrids_leave_the_last_token_to_decode() -> None:
+    from kvbridge.vllm import PullScheduler
+
+    def sched(drop: bool) -> PullScheduler:
+        return PullScheduler(engine_id="P", block_size=16, tp_size=1, address=("h", 1), producer=True,
+                             consumer=True, heartbeat_s=5.0, drop_last_token=drop)
+
     params = {"do_remote_decode": True}
     req = SimpleNamespace(kv_transfer_params=params, num_prompt_tokens=5, prompt_token_ids=[1, 2, 3, 4, 5],
                           _all_token_ids=[1, 2, 3, 4, 5], max_tokens=1, prompt_embeds=None)
-    assert shims.drop_last_prompt_token(req)
+    st = sched(True)
+    assert st.on_new_request("r", params, 5) and shims.drop_last_prompt_token(req)
     assert req.prompt_token_ids == [1, 2, 3, 4] and req._all_token_ids == [1, 2, 3, 4]
-    assert req.num_prompt_tokens == 4 and params["_kvbridge_truncated"]
-    assert not shims.drop_last_prompt_token(req)  # once per request (preemption, rescheduling)
-    dec = SimpleNamespace(kv_transfer_params={"do_remote_prefill": True}, num_prompt_tokens=5)
-    assert not shims.drop_last_prompt_token(dec)
+    assert req.num_prompt_tokens == 4 and params == {"do_remote_decode": True}
+    assert not st.on_new_request("r", params, 4)  # once per request (preemption, rescheduling)
+    assert not st.on_new_request("d", {"do_remote_prefill": True}, 5)
+    assert not sched(False).on_new_request("r", params, 5)  # not a Mamba hybrid
+    one = SimpleNamespace(num_prompt_tokens=1, prompt_token_ids=[1])
+    assert not shims.drop_last_prompt_token(one)
 
 
 # --------------------------------------------------------------------------- over NIXL
@@ -245,9 +255,9 @@ class Engine:
                  shared: bool = True) -> None:
         self.fam = vs.gemma3(nb=16, seed=seed, shared=shared)
         self.port = _free_port()
-        self.sched = SchedulerSide(engine_id=engine_id, block_size=128, tp_size=1, config=CFG,
+        self.sched = SchedulerHalves(engine_id=engine_id, block_size=128, tp_size=1, config=CFG,
                                    port=self.port, roles=roles, group_kinds=self.KINDS)
-        self.worker = WorkerSide(0, roles, single_group=False)
+        self.worker = worker_half(0, roles, CFG, single_group=False)
         reg = register_caches(self.fam.vllm_config, self.fam.kv_cache_config, self.fam.caches, CFG,
                               engine_id=engine_id, attention_backend="test")
         self.worker.register(reg.spec, reg.regions, reg.engine_config, incarnation=f"{engine_id}-1",
@@ -260,7 +270,7 @@ class Engine:
         return self.fam.caches[f"model.layers.{layer}.self_attn.attn"][block].view(torch.int32)  # bits: no NaN
 
     def step(self):
-        self.worker.start(self.sched.state.take_orders())
+        self.worker.start(self.sched.mode.take_orders())
         return self.worker.results()
 
     def close(self) -> None:
@@ -269,17 +279,17 @@ class Engine:
 
 
 def _transfer(p: Engine, d: Engine, p_groups, d_groups, tokens: int, *, kill_prefill: bool = False):
-    keep, params = p.sched.state.finished("p-req", {"do_remote_decode": True}, completed=True,
+    keep, params = p.sched.mode.finished("p-req", {"do_remote_decode": True}, completed=True,
                                           block_ids=p_groups, num_computed_tokens=tokens,
                                           num_prompt_tokens=tokens)
     assert keep
     p.step()  # the prefill workers hold the blocks
     if kill_prefill:
         p.close()
-    st = d.sched.state
+    st = d.sched.mode
     # every prompt token but the last, which the decode engine computes itself
     assert st.matched_tokens("d-req", params, tokens, 0) == (tokens - 1, True)
-    st.after_alloc("d-req", params, tokens, d_groups, 0, tokens - 1)
+    st.after_alloc("d-req", params, tokens, alloc(d_groups, 0), tokens - 1)
     recved, failed = set(), set()
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline and "d-req" not in recved:
@@ -307,13 +317,13 @@ def test_sliding_window_model_moves_every_group_over_nixl(shared: bool) -> None:
             assert not d.block(layer, 0).any()  # nothing is written into the null block
         for pb, db in zip(p_groups[3], d_groups[3], strict=True):
             assert torch.equal(d.block(3, db), p.block(3, pb))
-        assert not d.worker.take_invalid_groups() and not d.worker.take_invalid_blocks()
+        assert not d.worker.take_invalid_blocks()
     finally:
         d.close()
         p.close()
 
 
-def test_failed_hybrid_load_reports_the_blocks_of_every_group() -> None:
+def test_failed_hybrid_load_reports_the_blocks_of_every_group(caplog) -> None:
     p, d = Engine("P", PREFILL, seed=1), Engine("D", DECODE, seed=None)
     try:
         d_groups = ([0, 4], [0, 5], [0, 6], [7, 8])
@@ -321,8 +331,8 @@ def test_failed_hybrid_load_reports_the_blocks_of_every_group() -> None:
                                    kill_prefill=True)
         assert failed == {"d-req"} and recved == {"d-req"}
         # vLLM 0.32 cannot map a flat set of block ids back to requests of a hybrid model (it
-        # raises): the failure travels in failed_recving; the per-group blocks are recorded
+        # raises): the failure travels in failed_recving; the per-group blocks are logged
         assert d.worker.take_invalid_blocks() == set()
-        assert d.worker.take_invalid_groups() == {"d-req": tuple(tuple(g) for g in d_groups)}
+        assert f"request d-req: invalid local blocks per KV-cache group {list(d_groups)}" in caplog.text
     finally:
         d.close()

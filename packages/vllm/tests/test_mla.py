@@ -14,14 +14,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from halves_wiring import SchedulerHalves, alloc
 
 from kvbridge.vllm import (
     ConnectorConfig,
     EngineRoles,
-    SchedulerSide,
-    WorkerSide,
     prefill_request_params,
     register_caches,
+    worker_half,
 )
 
 pytestmark = pytest.mark.timeout(120)
@@ -60,7 +60,7 @@ class MlaEngine:
 
     def __init__(self, engine_id: str, roles: EngineRoles, tp: int, fill: torch.Tensor | None) -> None:
         self.port = _free_port()
-        self.sched = SchedulerSide(engine_id=engine_id, block_size=BLOCK, tp_size=tp, config=CFG,
+        self.sched = SchedulerHalves(engine_id=engine_id, block_size=BLOCK, tp_size=tp, config=CFG,
                                    port=self.port, roles=roles)
         self.caches, self.workers, payloads = [], [], {}
         for rank in range(tp):
@@ -68,7 +68,7 @@ class MlaEngine:
             reg = register_caches(_vllm_config(tp), SimpleNamespace(num_blocks=NB), caches, CFG,
                                   engine_id=engine_id, attention_backend="CPU_MLA")
             self.spec = reg.spec
-            w = WorkerSide(rank, roles)
+            w = worker_half(rank, roles, CFG)
             w.register(reg.spec, reg.regions, reg.engine_config, incarnation=f"{engine_id}-1",
                        address=(CFG.side_channel_host, self.port), layer_names=reg.layer_names)
             hs = w.handshake()
@@ -79,7 +79,7 @@ class MlaEngine:
         self.sched.serve(payloads)
 
     def step(self) -> tuple[set, set, set]:
-        orders = self.sched.state.take_orders()
+        orders = self.sched.mode.take_orders()
         sent, recved, failed = set(), set(), set()
         for w in self.workers:
             w.start(orders)
@@ -109,12 +109,12 @@ def test_mla_tp2_prefill_to_tp1_decode_reads_once_and_notifies_the_other_rank() 
     fill = torch.rand(LAYERS, NB, 1, BLOCK, LATENT, generator=torch.Generator().manual_seed(3))
     p, d = MlaEngine("P", PREFILL, 2, fill), MlaEngine("D", DECODE, 1, None)
     try:
-        _, params = p.sched.state.finished("p-1", prefill_request_params(), completed=True,
+        _, params = p.sched.mode.finished("p-1", prefill_request_params(), completed=True,
                                            block_ids=([3, 5, 7, 11],), num_computed_tokens=50,
                                            num_prompt_tokens=50)
         assert params["tp_size"] == 2
-        assert d.sched.state.matched_tokens("d-1", params, 50, 0) == (49, True)
-        d.sched.state.after_alloc("d-1", params, 50, [[2, 9, 4, 6]], 0, 49)
+        assert d.sched.mode.matched_tokens("d-1", params, 50, 0) == (49, True)
+        d.sched.mode.after_alloc("d-1", params, 50, alloc([[2, 9, 4, 6]], 0), 49)
         sent_per_rank: list[set] = [set(), set()]
         recved, failed = set(), set()
         deadline = time.monotonic() + 20
@@ -122,7 +122,7 @@ def test_mla_tp2_prefill_to_tp1_decode_reads_once_and_notifies_the_other_rank() 
             _, r, f = d.step()
             recved |= r
             failed |= f
-            orders = p.sched.state.take_orders()
+            orders = p.sched.mode.take_orders()
             for rank, w in enumerate(p.workers):
                 w.start(orders)
                 sent_per_rank[rank] |= w.results().finished_sending

@@ -57,7 +57,7 @@ def test_encode_uses_vllm_keys_and_survives_json_round_trip() -> None:
 
 def test_decodes_vllm_nixl_connector_output() -> None:
     rp = decode_remote_prefill(NIXL_OUTPUT)
-    t = rp.transfer
+    t = rp
     assert t.engine_id == NIXL_OUTPUT["remote_engine_id"]
     assert rp.block_ids == ((1, 2, 3),)
     assert (t.host, t.port, t.tp_size, rp.num_tokens) == ("127.0.0.1", 44967, 1, 70)
@@ -109,19 +109,28 @@ def test_unknown_router_keys_are_ignored() -> None:
     assert decode_remote_prefill(params) == _rp()
 
 
-def test_one_record_holds_the_transfer_engines_params() -> None:
+def test_the_transfer_engines_record_takes_block_ids_per_group() -> None:
     from kvbridge.nixl import TransferParams
+    from kvbridge.vllm.pull.worker import transfer_params
 
     rp = decode_remote_prefill(encode_remote_prefill(_rp(block_ids=((4, 5, 9), (1, 2, 3)),
                                                          incarnation="inc")))
     # a hybrid model's groups travel to the engine per group, in vLLM's group order
-    assert rp.transfer == TransferParams(engine_id="P0", host="10.1.2.3", port=5600, tp_size=2,
-                                         block_ids=((4, 5, 9), (1, 2, 3)), token="t0k",
-                                         incarnation="inc", request_id="req-7")
+    assert transfer_params(rp) == TransferParams(engine_id="P0", host="10.1.2.3", port=5600,
+                                                 tp_size=2, block_ids=((4, 5, 9), (1, 2, 3)),
+                                                 token="t0k", incarnation="inc", request_id="req-7")
     assert rp.block_ids == ((4, 5, 9), (1, 2, 3)) and rp.from_kvbridge
-    with pytest.raises(ParamsError, match="as the engine takes them"):
-        RemotePrefill(rp.transfer, ((1, 2),))
-    # one group (and vLLM's flat single-group form) stays flat for the engine
+    # one group (and vLLM's flat single-group form) is one group for the engine too
     one = decode_remote_prefill(dict(encode_remote_prefill(_rp(block_ids=((4, 5, 9),))),
                                      remote_block_ids=[4, 5, 9]))
-    assert one.transfer.block_ids == (4, 5, 9) and one.block_ids == ((4, 5, 9),)
+    assert transfer_params(one).block_ids == ((4, 5, 9),) and one.block_ids == ((4, 5, 9),)
+
+
+def test_the_parameters_are_records_built_not_patched() -> None:
+    # a bad record built by field name is refused as a parsed one would be
+    with pytest.raises(ParamsError, match="remote_port"):
+        _rp(port=0)
+    params = encode_remote_prefill(_rp())
+    before = dict(params)
+    decode_remote_prefill(params)
+    assert params == before

@@ -10,11 +10,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from halves_wiring import alloc
 from test_worker import CFG, _free_port
 from test_worker import Engine as WorkerEngine
 
-from kvbridge.vllm import EngineRoles, StepOrders
-from kvbridge.vllm.pushing import TRANSFER_ID_KEY
+from kvbridge.vllm import EngineRoles, PushOrders
+from kvbridge.vllm.params import TRANSFER_ID_KEY
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -33,16 +34,14 @@ class Engine(WorkerEngine):
     def step(self, forward: bool = False):
         """One engine step in vLLM 0.32's order: the metadata is bound, the forward pass
         saves each layer, then start_load_kv, wait_for_save and the results."""
-        orders = self.sched.state.take_orders()
-        self.sched.push.prefill_step(self.progress)
+        orders = self.sched.mode.take_orders(self.progress)
         self.progress = []
-        orders = replace(orders, push=self.sched.push.take())
         if forward:
             for name in self.layers:
                 self.saved.append(name)
-                self.worker.save_layer(name, orders.push)
+                self.worker.save_layer(name, orders)
         self.worker.start(orders)
-        self.worker.finish_saves(orders.push)
+        self.worker.finish_saves(orders)
         return orders, self.worker.results()
 
 
@@ -64,6 +63,13 @@ def _prefill_params(tid: str) -> dict:
     return {"do_remote_decode": True, "transfer_mode": "push", TRANSFER_ID_KEY: tid}
 
 
+def _finished(e: Engine, rid: str) -> bool:
+    """vLLM's request_finished for a push prefill request: keep its blocks?"""
+    keep, _ = e.sched.mode.finished(rid, _prefill_params("any"), completed=True, block_ids=(),
+                                    num_computed_tokens=0, num_prompt_tokens=0)
+    return keep
+
+
 def _wait(cond, timeout=15.0):
     end = time.monotonic() + timeout
     while time.monotonic() < end:
@@ -80,25 +86,28 @@ def test_decode_allocates_first_and_prefill_writes_into_its_blocks(layerwise) ->
     try:
         dparams, pparams = _decode_params(p, "t-1"), _prefill_params("t-1")
         # decode: the prompt is an asynchronous load of every token
-        assert d.sched.push.decode_matched("d-1", dparams, 40, 0) == (40, True)
+        assert d.sched.mode.matched_tokens("d-1", dparams, 40, 0) == (40, True)
         # prefill: vLLM asks until the offer arrived
-        assert p.sched.push.prefill_matched("p-1", pparams, 40) == (None, False)
-        d.sched.push.decode_after_alloc("d-1", dparams, [[2, 9, 4]], 0, 40)
-        assert dparams["do_remote_prefill"] is False  # one transfer per request
-        _wait(lambda: p.sched.push.prefill_matched("p-1", pparams, 40) == (0, False))
-        p.sched.push.prefill_after_alloc("p-1", [[3, 5, 7, 11]])
+        assert p.sched.mode.matched_tokens("p-1", pparams, 40, 0) == (None, False)
+        d.sched.mode.after_alloc("d-1", dparams, 40, alloc([[2, 9, 4]], 0), 40)
+        # one transfer per request: vLLM may allocate twice, one offer goes out (and the
+        # request's parameters are left as they are)
+        d.sched.mode.after_alloc("d-1", dparams, 40, alloc([[2, 9, 4]], 0), 40)
+        assert dparams["do_remote_prefill"] is True
+        _wait(lambda: p.sched.mode.matched_tokens("p-1", pparams, 40, 0) == (0, False))
+        p.sched.mode.after_alloc("p-1", pparams, 0, alloc([[3, 5, 7, 11]]), 0)
         # decode's next step expects the request (the accept named the prefill facts)
-        _wait(lambda: d.sched.push._expects)
+        _wait(lambda: d.sched.mode._expects)
         orders, _ = d.step()
-        (exp,) = orders.push.expects
-        assert (exp.prefill_engine_id, exp.prefill_tp, exp.local_block_ids) == ("P", 1, (2, 9, 4))
+        (exp,) = orders.expects
+        assert (exp.prefill_engine_id, exp.prefill_tp, exp.local_block_ids) == ("P", 1, ((2, 9, 4),))
         # prefill computes the whole prompt in one step: its workers push during the forward pass
         p.progress = [("p-1", 0, 40, None)]
         orders, res = p.step(forward=True)
-        (push,) = orders.push.pushes
-        assert push.block_ids == (3, 5, 7) and push.target.block_ids == (2, 9, 4)
+        (push,) = orders.pushes
+        assert push.block_ids == ((3, 5, 7),) and push.target.block_ids == ((2, 9, 4),)
         assert push.layerwise is layerwise
-        assert p.sched.push.prefill_finished("p-1") is True  # blocks stay until released
+        assert _finished(p, "p-1") is True  # blocks stay until released
         sent, recved, failed = set(res.finished_sending), set(), set()
         end = time.monotonic() + 15
         while not ("p-1" in sent and "d-1" in recved) and time.monotonic() < end:
@@ -117,7 +126,7 @@ def test_decode_allocates_first_and_prefill_writes_into_its_blocks(layerwise) ->
         transfers = p.worker.prefill.stats.transfers
         assert transfers == (len(p.layers) if layerwise else 1)
         assert d.worker.decode.stats.notifications_unknown == 0
-        assert not p.sched.push.pending and not d.sched.push.pending
+        assert not p.sched.mode.pending and not d.sched.mode.pending
     finally:
         d.close()
         p.close()
@@ -126,16 +135,16 @@ def test_decode_allocates_first_and_prefill_writes_into_its_blocks(layerwise) ->
 def test_prefill_blocks_are_freed_only_after_the_scheduler_said_finished(engines) -> None:
     p, d = engines
     dparams, pparams = _decode_params(p, "t-2"), _prefill_params("t-2")
-    d.sched.push.decode_after_alloc("d-2", dparams, [[1]], 0, 16)
-    _wait(lambda: p.sched.push.prefill_matched("p-2", pparams, 16) == (0, False))
-    p.sched.push.prefill_after_alloc("p-2", [[6]])
-    _wait(lambda: d.sched.push._expects)
+    d.sched.mode.after_alloc("d-2", dparams, 16, alloc([[1]], 0), 16)
+    _wait(lambda: p.sched.mode.matched_tokens("p-2", pparams, 16, 0) == (0, False))
+    p.sched.mode.after_alloc("p-2", pparams, 0, alloc([[6]]), 0)
+    _wait(lambda: d.sched.mode._expects)
     d.step()
     p.progress = [("p-2", 0, 16, None)]
     p.step(forward=True)
     # the push is released on the prefill worker before vLLM finished the request
     _wait(lambda: (d.step(), p.step()) and "p-2" in p.worker._push_released)
-    assert p.sched.push.prefill_finished("p-2")
+    assert _finished(p, "p-2")
     _, res = p.step()
     assert res.finished_sending == {"p-2"}
 
@@ -143,75 +152,76 @@ def test_prefill_blocks_are_freed_only_after_the_scheduler_said_finished(engines
 def test_a_chunked_prompt_is_pushed_with_its_last_chunk(engines) -> None:
     p, d = engines
     dparams, pparams = _decode_params(p, "t-3"), _prefill_params("t-3")
-    d.sched.push.decode_after_alloc("d-3", dparams, [[1, 2, 3]], 0, 40)
-    _wait(lambda: p.sched.push.prefill_matched("p-3", pparams, 40) == (0, False))
-    p.sched.push.prefill_after_alloc("p-3", [[4]])
+    d.sched.mode.after_alloc("d-3", dparams, 40, alloc([[1, 2, 3]], 0), 40)
+    _wait(lambda: p.sched.mode.matched_tokens("p-3", pparams, 40, 0) == (0, False))
+    p.sched.mode.after_alloc("p-3", pparams, 0, alloc([[4]]), 0)
     p.progress = [("p-3", 0, 16, None)]
-    assert p.step()[0].push.pushes == ()
-    p.progress = [("p-3", 16, 24, ([8, 9],))]
-    (push,) = p.step()[0].push.pushes
-    assert push.block_ids == (4, 8, 9)
+    assert p.step()[0].pushes == ()
+    p.progress = [("p-3", 16, 24, ((8, 9),))]
+    (push,) = p.step()[0].pushes
+    assert push.block_ids == ((4, 8, 9),)
 
 
 def test_an_offer_to_a_dead_prefill_fails_the_load_with_its_blocks(engines) -> None:
     _, d = engines
     dparams = _decode_params(SimpleNamespace(port=_free_port()), "t-4")
-    d.sched.push.decode_after_alloc("d-4", dparams, [[5, 6]], 0, 30)
-    _wait(lambda: d.sched.push._failed, timeout=30)
+    d.sched.mode.after_alloc("d-4", dparams, 30, alloc([[5, 6]], 0), 30)
+    _wait(lambda: d.sched.mode._failed, timeout=30)
     orders, res = d.step()
-    assert orders.push.failed == (("d-4", (5, 6)),)
+    assert orders.failed == (("d-4", ((5, 6),)),)
     assert res.failed_recving == {"d-4"} and res.finished_recving == {"d-4"}
     assert d.worker.take_invalid_blocks() == {5, 6}
 
 
 def test_a_prefill_request_without_an_offer_is_computed_after_the_wait(engines) -> None:
     p, _ = engines
-    p.sched.push.wait_s = 0.05
-    assert p.sched.push.prefill_matched("p-5", _prefill_params("nobody"), 8) == (None, False)
+    p.sched.mode.wait_s = 0.05
+    assert p.sched.mode.matched_tokens("p-5", _prefill_params("nobody"), 8, 0) == (None, False)
     time.sleep(0.1)
-    assert p.sched.push.prefill_matched("p-5", _prefill_params("nobody"), 8) == (0, False)
-    assert p.sched.push.prefill_finished("p-5") is False
+    assert p.sched.mode.matched_tokens("p-5", _prefill_params("nobody"), 8, 0) == (0, False)
+    assert _finished(p, "p-5") is False
 
 
 def test_bad_push_params_are_computed_locally(engines) -> None:
     p, d = engines
-    assert d.sched.push.decode_matched("x", {"transfer_mode": "push", "do_remote_prefill": True}, 8, 0) == (0, False)
-    assert p.sched.push.prefill_matched("y", {"transfer_mode": "push", "do_remote_decode": True}, 8) == (0, False)
-    assert StepOrders().empty
+    assert d.sched.mode.matched_tokens("x", {"transfer_mode": "push", "do_remote_prefill": True}, 8, 0) == (0, False)
+    assert p.sched.mode.matched_tokens("y", {"transfer_mode": "push", "do_remote_decode": True}, 8,
+                                       0) == (0, False)
+    assert PushOrders().empty
 
 
 def test_offers_of_one_batch_are_scheduled_together() -> None:
     """A burst of offers (a decode engine allocating a batch) releases its requests together,
     not one per step as each offer lands."""
     from kvbridge.handshake import PushOffer
-    from kvbridge.vllm.pushing import BATCH_CAP_S, BATCH_WINDOW_S, PushState
+    from kvbridge.vllm.push.scheduler import BATCH_CAP_S, BATCH_WINDOW_S, PushScheduler
 
     now = [100.0]
-    st = PushState(engine_id="P", block_size=16, tp_size=1, address=("127.0.0.1", 1), layerwise=True,
+    st = PushScheduler(engine_id="P", block_size=16, tp_size=1, address=("127.0.0.1", 1), layerwise=True,
                    wait_s=30, send_offer=None, clock=lambda: now[0])
-    st.accept_facts = dict(block_size=16, kernel_blocks_per_block=1, head_order="HND")
+    st.set_served("", dict(block_size=16, kernel_blocks_per_block=1, head_order="HND"))
 
     def offer(tid):
         return PushOffer(protocol_version=1, transfer_id=tid, engine_id="D", host="h", port=1,
                          tp_size=1, block_size=16, block_ids=[[1]], token="t")
 
     for rid in ("a", "b", "c"):
-        assert st.prefill_matched(rid, _prefill_params(rid), 16) == (None, False)
+        assert st.matched_tokens(rid, _prefill_params(rid), 16, 0) == (None, False)
     st.on_offer(offer("a"))
-    assert st.prefill_matched("a", _prefill_params("a"), 16) == (None, False)  # b, c still coming
+    assert st.matched_tokens("a", _prefill_params("a"), 16, 0) == (None, False)  # b, c still coming
     now[0] += BATCH_WINDOW_S / 2
     st.on_offer(offer("b"))
-    assert st.prefill_matched("a", _prefill_params("a"), 16) == (None, False)
+    assert st.matched_tokens("a", _prefill_params("a"), 16, 0) == (None, False)
     now[0] += BATCH_WINDOW_S * 1.5  # the burst is over: c is not part of it
-    assert st.prefill_matched("a", _prefill_params("a"), 16) == (0, False)
-    assert st.prefill_matched("b", _prefill_params("b"), 16) == (0, False)
-    assert st.prefill_matched("c", _prefill_params("c"), 16) == (None, False)
+    assert st.matched_tokens("a", _prefill_params("a"), 16, 0) == (0, False)
+    assert st.matched_tokens("b", _prefill_params("b"), 16, 0) == (0, False)
+    assert st.matched_tokens("c", _prefill_params("c"), 16, 0) == (None, False)
     # a steady trickle of offers never holds a request back longer than the cap
     st.on_offer(offer("c"))
     for rid in ("d", "e"):
-        st.prefill_matched(rid, _prefill_params(rid), 16)
+        st.matched_tokens(rid, _prefill_params(rid), 16, 0)
     t0 = now[0]
-    while st.prefill_matched("c", _prefill_params("c"), 16) != (0, False):
+    while st.matched_tokens("c", _prefill_params("c"), 16, 0) != (0, False):
         now[0] += BATCH_WINDOW_S / 2
         st.on_offer(offer(f"x{now[0]:f}"))
     assert now[0] - t0 <= BATCH_CAP_S + BATCH_WINDOW_S

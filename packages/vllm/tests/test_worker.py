@@ -1,5 +1,5 @@
 """The connector's two halves without vLLM: a prefill and a decode engine, each a
-SchedulerSide + WorkerSide pair, move one request over real NIXL agents (UCX, host
+scheduler and worker halves, move one request over real NIXL agents (UCX, host
 memory) and a real side channel on 127.0.0.1, from real torch tensors in vLLM
 0.32's cache layout. vLLM's configuration objects are stand-ins with the
 attributes registration reads."""
@@ -13,21 +13,21 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from halves_wiring import SchedulerHalves, alloc
 
 from kvbridge.vllm import (
     ConnectorConfig,
     EngineRoles,
     HoldOrder,
     LoadOrder,
+    PullOrders,
     RemotePrefill,
-    SchedulerSide,
-    StepOrders,
-    WorkerSide,
     encode_remote_prefill,
     prefill_request_params,
     register_caches,
+    worker_half,
 )
-from kvbridge.vllm.worker import TransferResults
+from kvbridge.vllm.modes import TransferResults
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -72,9 +72,9 @@ class Engine:
                  cfg: ConnectorConfig = CFG, cache_dtype: str = "auto") -> None:
         self.caches = _caches(seed, fp8=cache_dtype.startswith("fp8"))
         self.port = port = _free_port()
-        self.sched = SchedulerSide(engine_id=engine_id, block_size=BLOCK, tp_size=1, config=cfg,
+        self.sched = SchedulerHalves(engine_id=engine_id, block_size=BLOCK, tp_size=1, config=cfg,
                                    port=port, roles=roles)
-        self.worker = WorkerSide(0, roles)
+        self.worker = worker_half(0, roles, cfg)
         reg = register_caches(_vllm_config(cache_dtype), SimpleNamespace(num_blocks=NB), self.caches, cfg,
                               engine_id=engine_id, attention_backend="test")
         self.layers = reg.layer_names
@@ -85,7 +85,7 @@ class Engine:
             self.sched.serve({0: (*hs, self.worker.compat_info())})
 
     def step(self) -> TransferResults:
-        self.worker.start(self.sched.state.take_orders())
+        self.worker.start(self.sched.mode.take_orders())
         return self.worker.results()
 
     def close(self) -> None:
@@ -115,12 +115,12 @@ def _run(p: Engine, d: Engine, until, timeout: float = 20.0) -> tuple[set, set, 
 
 def test_a_request_moves_from_the_prefill_worker_to_the_decode_worker(pair) -> None:
     p, d = pair
-    held, params = p.sched.state.finished("p-1", prefill_request_params(), completed=True,
+    held, params = p.sched.mode.finished("p-1", prefill_request_params(), completed=True,
                                           block_ids=([3, 5, 7, 11],), num_computed_tokens=40,
                                           num_prompt_tokens=40)
     assert held and params["remote_port"] == p.sched.port
-    assert d.sched.state.matched_tokens("d-1", params, 40, 0) == (39, True)
-    d.sched.state.after_alloc("d-1", params, 40, [[2, 9, 4]], 0, 40)
+    assert d.sched.mode.matched_tokens("d-1", params, 40, 0) == (39, True)
+    d.sched.mode.after_alloc("d-1", params, 40, alloc([[2, 9, 4]], 0), 40)
     sent, recved, failed = _run(p, d, lambda s, r, f: "p-1" in s and "d-1" in r)
     assert (sent, recved, failed) == ({"p-1"}, {"d-1"}, set())
     for name, pc in p.caches.items():
@@ -141,11 +141,11 @@ def test_auth_key_from_the_connector_config_guards_the_side_channel(decode_key, 
     d = Engine("D", DECODE, seed=None, cfg=replace(CFG, auth_key=decode_key))
     try:
         assert p.sched.server is not None and p.sched.server.authenticated
-        _, params = p.sched.state.finished("p-1", prefill_request_params(), completed=True,
+        _, params = p.sched.mode.finished("p-1", prefill_request_params(), completed=True,
                                            block_ids=([3, 5],), num_computed_tokens=20,
                                            num_prompt_tokens=20)
-        d.sched.state.matched_tokens("d-1", params, 20, 0)
-        d.sched.state.after_alloc("d-1", params, 20, [[2, 9]], 0, 20)
+        d.sched.mode.matched_tokens("d-1", params, 20, 0)
+        d.sched.mode.after_alloc("d-1", params, 20, alloc([[2, 9]], 0), 20)
         sent, recved, failed = _run(p, d, lambda s, r, f: "d-1" in r)
         assert recved == {"d-1"} and failed == (set() if moves else {"d-1"})
         if moves:
@@ -165,8 +165,8 @@ def test_a_load_from_a_dead_prefill_engine_fails_with_its_blocks_invalid(pair) -
                             request_id="p-9", block_ids=((1, 2, 3),), token="t" * 32,
                             incarnation="x", num_tokens=40, block_size=BLOCK)
     params = encode_remote_prefill(dead)
-    assert d.sched.state.matched_tokens("d-9", params, 40, 0) == (39, True)
-    d.sched.state.after_alloc("d-9", params, 40, [[6, 8, 10]], 0, 40)
+    assert d.sched.mode.matched_tokens("d-9", params, 40, 0) == (39, True)
+    d.sched.mode.after_alloc("d-9", params, 40, alloc([[6, 8, 10]], 0), 40)
     failed: set[str] = set()
     deadline = time.monotonic() + 20
     while "d-9" not in failed and time.monotonic() < deadline:
@@ -182,26 +182,26 @@ def test_a_load_from_a_dead_prefill_engine_fails_with_its_blocks_invalid(pair) -
 
 def test_a_load_the_engine_refuses_is_reported_failed_at_once(pair) -> None:
     p, d = pair
-    _, params = p.sched.state.finished("p-2", prefill_request_params(), completed=True,
+    _, params = p.sched.mode.finished("p-2", prefill_request_params(), completed=True,
                                        block_ids=([1, 2],), num_computed_tokens=20,
                                        num_prompt_tokens=20)
     p.step()
-    d.sched.state.after_alloc("d-2", params, 20, [[NB + 3, 1]], 0, 20)  # outside the cache
+    d.sched.mode.after_alloc("d-2", params, 20, alloc([[NB + 3, 1]], 0), 20)  # outside the cache
     r = d.step()
     assert r.finished_recving == r.failed_recving == {"d-2"}
     assert d.worker.take_invalid_blocks() == {NB + 3, 1}
 
 
 def test_orders_for_a_half_this_rank_does_not_run_are_answered_not_dropped() -> None:
-    w = WorkerSide(0, DECODE)  # no engines registered: neither holds nor loads can run
+    w = worker_half(0, DECODE, CFG)  # no engines registered: neither holds nor loads can run
     src = RemotePrefill.of(engine_id="P", host="h", port=1, request_id="p", block_ids=((1,),),
                            token="t")
-    w.start(StepOrders(loads=(LoadOrder("d", src, (4,), 0),), holds=(HoldOrder("h", (1,), "t"),)))
+    w.start(PullOrders(loads=(LoadOrder("d", src, ((4,),), 0),), holds=(HoldOrder("h", ((1,),), "t"),)))
     assert w.results() == TransferResults(frozenset({"h"}), frozenset({"d"}), frozenset({"d"}))
     assert w.take_invalid_blocks() == {4} and w.take_stats() is None
     assert w.handshake() is None
-    multi = WorkerSide(0, DECODE, single_group=False)
-    multi.start(StepOrders(loads=(LoadOrder("d", src, (4,), 0),)))
+    multi = worker_half(0, DECODE, CFG, single_group=False)
+    multi.start(PullOrders(loads=(LoadOrder("d", src, ((4,),), 0),)))
     assert multi.results().failed_recving == {"d"} and multi.take_invalid_blocks() == set()
 
 
@@ -211,24 +211,24 @@ def test_the_scheduler_serves_ranks_that_agree_and_refuses_others(pair) -> None:
     from kvbridge.handshake import decode_metadata, encode_metadata
 
     p, _ = pair
-    assert p.sched.state.incarnation == "P-1" and p.sched.server is not None
+    assert p.sched.mode.incarnation == "P-1" and p.sched.server is not None
     compat, md = p.worker.handshake()
     other = encode_metadata(replace(decode_metadata(md), rank=1, incarnation="P-2"))
     with pytest.raises(ValueError, match="rank 1"):  # the server checks every rank it is handed
         p.sched.serve({0: (compat, md), 1: (compat, other)})
     # nothing was lost: the engine is still served as it was
     assert p.sched.server.ranks == [0] and p.sched.server.incarnation == "P-1"
-    assert p.sched.state.incarnation == "P-1"
+    assert p.sched.mode.incarnation == "P-1"
     with pytest.raises(ValueError, match="disagree on the compatibility hash"):
         p.sched.serve({0: (compat, md), 1: ("another-model", md)})
 
 
 def _load_one(p: Engine, d: Engine) -> tuple[set, set, set]:
-    _, params = p.sched.state.finished("p-1", prefill_request_params(), completed=True,
+    _, params = p.sched.mode.finished("p-1", prefill_request_params(), completed=True,
                                        block_ids=([3, 5, 7],), num_computed_tokens=40,
                                        num_prompt_tokens=40)
-    d.sched.state.matched_tokens("d-1", params, 40, 0)
-    d.sched.state.after_alloc("d-1", params, 40, [[2, 9, 4]], 0, 39)
+    d.sched.mode.matched_tokens("d-1", params, 40, 0)
+    d.sched.mode.after_alloc("d-1", params, 40, alloc([[2, 9, 4]], 0), 39)
     return _run(p, d, lambda s, r, f: "d-1" in r)
 
 

@@ -5,12 +5,10 @@ and ``kv_connector="KVBridgeConnector"``. The names that import vLLM (the
 connector facade, its wire values and metrics) are imported on first access,
 so the vLLM-independent parts exported here (configuration,
 ``kv_transfer_params``, scheduler bookkeeping, cache description, stats data)
-import without vLLM, torch or NIXL (building a ``RemotePrefill`` from
-``kv_transfer_params`` imports :mod:`kvbridge.nixl` on first use, for the
-``TransferParams`` it holds). The two halves of the connector,
-:class:`kvbridge.vllm.scheduler.SchedulerSide` and
-:class:`kvbridge.vllm.worker.WorkerSide`, import no vLLM either but use the
-transfer engines (torch, NIXL); they are served lazily too.
+import without vLLM, torch or NIXL. The halves of the connector per mode
+(:mod:`kvbridge.vllm.pull`, :mod:`kvbridge.vllm.push`; chosen by
+:mod:`kvbridge.vllm.halves`) import no vLLM either; those that use the transfer
+engines (torch, NIXL) or the side channel (ZMQ) are served lazily too.
 """
 
 from kvbridge.vllm.cachespec import (
@@ -30,6 +28,7 @@ from kvbridge.vllm.config import (
     check_engine_support,
     parse_connector_config,
 )
+from kvbridge.vllm.modes import Allocated, SchedulerMode, TransferResults
 from kvbridge.vllm.params import (
     PARAMS_VERSION,
     ParamsError,
@@ -40,9 +39,10 @@ from kvbridge.vllm.params import (
     is_remote_prefill,
     prefill_request_params,
 )
-from kvbridge.vllm.scheduling import check_remote_blocks, check_remote_parallelism, tokens_to_load
+from kvbridge.vllm.pull.orders import HoldOrder, LoadOrder, PullOrders
+from kvbridge.vllm.pull.scheduler import PullScheduler
+from kvbridge.vllm.pull.source import check_remote_blocks, check_remote_parallelism, tokens_to_load
 from kvbridge.vllm.stats import merge_stats
-from kvbridge.vllm.steps import HoldOrder, LoadOrder, SchedulerState, StepOrders
 
 #: names served on first access, by module (they import vLLM, or torch and NIXL)
 _LAZY = {
@@ -51,11 +51,16 @@ _LAZY = {
     "KVBridgeHandshake": "connector",
     "KVBridgePromMetrics": "metrics",
     "KVBridgeStats": "metrics",
+    "PullWorker": "pull.worker",
+    "PushOrders": "push.orders",
+    "PushScheduler": "push.scheduler",
+    "PushWorker": "push.worker",
+    "RankEngines": "rank_engines",
     "Registration": "registration",
-    "SchedulerSide": "scheduler",
-    "TransferResults": "worker",
-    "WorkerSide": "worker",
+    "SideChannel": "side_channel",
     "register_caches": "registration",
+    "scheduler_half": "halves",
+    "worker_half": "halves",
 }
 
 
@@ -70,6 +75,7 @@ def __getattr__(name: str):
 __all__ = [
     "CONFIG_KEYS",
     "PARAMS_VERSION",
+    "Allocated",
     "CacheShapeError",
     "ConfigError",
     "ConfigKey",
@@ -85,13 +91,18 @@ __all__ = [
     "LoadOrder",
     "ModelFacts",
     "ParamsError",
+    "PullOrders",
+    "PullScheduler",
+    "PullWorker",
+    "PushOrders",
+    "PushScheduler",
+    "PushWorker",
+    "RankEngines",
     "Registration",
     "RemotePrefill",
-    "SchedulerSide",
-    "SchedulerState",
-    "StepOrders",
+    "SchedulerMode",
+    "SideChannel",
     "TransferResults",
-    "WorkerSide",
     "check_engine_support",
     "check_remote_blocks",
     "check_remote_parallelism",
@@ -106,5 +117,7 @@ __all__ = [
     "parse_connector_config",
     "prefill_request_params",
     "register_caches",
+    "scheduler_half",
     "tokens_to_load",
+    "worker_half",
 ]

@@ -10,8 +10,11 @@ Load it with::
 vLLM builds one connector per process and role: a scheduler-side instance in
 the engine core and a worker-side instance in each TP worker. This class only
 translates: it reads vLLM's objects (requests, block lists, configuration)
-into plain values and hands them to :class:`kvbridge.vllm.scheduler.SchedulerSide`
-or :class:`kvbridge.vllm.worker.WorkerSide`, which import nothing from vLLM.
+into plain values and hands them to the halves of its transfer mode, chosen once
+at construction (:mod:`kvbridge.vllm.halves`): a
+:class:`~kvbridge.vllm.modes.SchedulerMode` with its
+:class:`~kvbridge.vllm.side_channel.SideChannel`, or a
+:class:`~kvbridge.vllm.rank_engines.RankEngines`; they import nothing from vLLM.
 Version differences live in :mod:`kvbridge.vllm.shims`, the cache description
 in :mod:`kvbridge.vllm.registration`, the metrics in :mod:`kvbridge.vllm.metrics`.
 
@@ -22,7 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -42,13 +45,14 @@ from kvbridge.vllm.config import (
     check_engine_support,
     parse_connector_config,
 )
-from kvbridge.vllm.groups import GroupFacts, attention_block_size, group_facts
+from kvbridge.vllm.halves import MODES, scheduler_half, worker_half
+from kvbridge.vllm.kv_cache_groups import GroupFacts, attention_block_size, group_facts
 from kvbridge.vllm.metrics import KVBridgePromMetrics, KVBridgeStats
-from kvbridge.vllm.pushing import is_push
+from kvbridge.vllm.modes import Orders, SchedulerMode, TransferResults
+from kvbridge.vllm.pull.orders import PullOrders
+from kvbridge.vllm.rank_engines import RankEngines
 from kvbridge.vllm.registration import register_caches
-from kvbridge.vllm.scheduler import SchedulerSide
-from kvbridge.vllm.steps import StepOrders
-from kvbridge.vllm.worker import TransferResults, WorkerSide
+from kvbridge.vllm.side_channel import SideChannel
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -82,9 +86,9 @@ class KVBridgeHandshake(KVConnectorHandshakeMetadata):
 
 @dataclass
 class KVBridgeConnectorMetadata(KVConnectorMetadata):
-    """What the scheduler tells every worker for one step."""
+    """What the scheduler tells every worker for one step: its mode's orders."""
 
-    orders: StepOrders = field(default_factory=StepOrders)
+    orders: Orders = field(default_factory=PullOrders)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -150,18 +154,21 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         self.engine_id: str = ktc.engine_id
         self.incarnation = _incarnation(vllm_config, self.engine_id)
         self.port = self.config.port_for(shims.dp_index(vllm_config))
-        self._sched: SchedulerSide | None = None
-        self._worker: WorkerSide | None = None
+        self._sched: SchedulerMode | None = None
+        self._side: SideChannel | None = None
+        self._worker: RankEngines | None = None
+        #: the mode's orders of a step with nothing to do (before any metadata is bound)
+        self._no_orders = MODES[self.config.mode].no_orders
         if role == KVConnectorRole.SCHEDULER:
-            self._sched = SchedulerSide(
+            self._sched, self._side = scheduler_half(
                 engine_id=self.engine_id, block_size=self.block_size,
                 tp_size=vllm_config.parallel_config.tensor_parallel_size, config=self.config,
                 port=self.port, roles=self.roles,
                 group_kinds=tuple(g.kind.value for g in self.groups) if hybrid else (),
-                equal_tp_only=self._equal_tp_only())
+                equal_tp_only=self._equal_tp_only(), drop_last_token=self.has_mamba)
         else:
-            self._worker = WorkerSide(shims.tp_rank(), self.roles,
-                                      single_group=shims.transfer_groups(kv_cache_config) <= 1)
+            self._worker = worker_half(shims.tp_rank(), self.roles, self.config,
+                                       single_group=shims.transfer_groups(kv_cache_config) <= 1)
 
     def _equal_tp_only(self) -> str | None:
         """Why this engine's Mamba state can only be read between equal TP sizes, or None."""
@@ -202,24 +209,10 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         return None
 
     # ----- scheduler side --------------------------------------------------
-    def _s(self) -> SchedulerSide:
+    def _s(self) -> SchedulerMode:
         if self._sched is None:
             raise RuntimeError("scheduler-side method called on a worker-side KVBridgeConnector")
         return self._sched
-
-    def _push_params(self, request: Request) -> bool:
-        """True for a push-mode request (its bookkeeping is ``PushState``'s); refused, with a
-        log line, on an engine in pull mode."""
-        params = request.kv_transfer_params
-        if not is_push(params):
-            return False
-        if self._s().push is None and params.get("do_remote_prefill") is not False:
-            log.warning("request %s asks for a push-mode transfer but this engine runs KVBridgeConnector "
-                        "in pull mode (set kv_connector_extra_config['mode'] = 'push' on both "
-                        "engines); it is computed without a transfer", request.request_id)
-            params["do_remote_prefill"] = False
-            params["do_remote_decode"] = False
-        return True
 
     def on_new_request(self, request: Request) -> None:
         """Scheduler, when a request is added. A decode request with kvbridge parameters
@@ -227,12 +220,9 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         a Mamba hybrid a prefill request drops its last prompt token: the state moved is
         the one before it, and the decode engine computes that token itself (a recurrent
         state cannot take the same token twice)."""
-        if self._push_params(request):
-            return
-        if self.has_mamba:
+        if self._s().on_new_request(request.request_id, request.kv_transfer_params,
+                                    request.num_prompt_tokens):
             shims.drop_last_prompt_token(request)
-        self._s().state.on_new_request(request.request_id, request.kv_transfer_params,
-                                       request.num_prompt_tokens)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int
                                    ) -> tuple[int | None, bool]:
@@ -242,45 +232,17 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         usable parameters, (0, False) otherwise. Push mode: a decode request loads its
         prompt asynchronously; a prefill request answers None ("ask again") until its
         decode engine's offer arrived."""
-        if self._push_params(request):
-            params, push = request.kv_transfer_params, self._s().push
-            if push is None:
-                return 0, False
-            if params.get("do_remote_prefill"):
-                return push.decode_matched(request.request_id, params, request.num_prompt_tokens,
-                                           num_computed_tokens)
-            if params.get("do_remote_decode"):
-                return push.prefill_matched(request.request_id, params, request.num_prompt_tokens)
-            return 0, False
-        return self._s().state.matched_tokens(
-            request.request_id, request.kv_transfer_params, request.num_prompt_tokens,
-            num_computed_tokens)
+        return self._s().matched_tokens(request.request_id, request.kv_transfer_params,
+                                        request.num_prompt_tokens, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
         """Scheduler, after allocating a request's blocks (possibly twice per request).
         Orders the load into the new blocks once, or the release of the prefill
         blocks when nothing is to be loaded."""
-        params = request.kv_transfer_params
-        push = self._s().push
-        if push is not None and is_push(params):
-            if params.get("do_remote_prefill"):
-                push.decode_after_alloc(request.request_id, params, self._select(
-                    shims.unhashed_block_ids(blocks)), shims.computed_block_count(blocks),
-                    num_external_tokens)
-            elif params.get("do_remote_decode"):
-                push.prefill_after_alloc(request.request_id, self._select(blocks.get_block_ids()))
-            return
-        if not params or not params.get("do_remote_prefill"):
-            return
-        if num_external_tokens > 0:
-            computed = shims.computed_block_count(blocks, self._kv_cache_config)
-            unhashed = shims.select_groups(self._kv_cache_config, shims.load_block_ids(
-                blocks, self._kv_cache_config, computed))
-        else:
-            unhashed, computed = (), 0
-        self._s().state.after_alloc(request.request_id, params, request.num_prompt_tokens,
-                                    unhashed, computed, num_external_tokens)
+        self._s().after_alloc(request.request_id, request.kv_transfer_params,
+                              request.num_prompt_tokens,
+                              shims.VllmAllocation(blocks, self._kv_cache_config), num_external_tokens)
 
     def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
         """Scheduler, after a positive match: the KV-cache groups a load restores (all
@@ -289,21 +251,13 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         """Scheduler, once per step after scheduling: this step's orders for every
-        worker (loads, holds, releases, renewals); resets them."""
-        s = self._s()
-        orders = s.state.take_orders()
-        if s.push is not None:
-            s.push.prefill_step(shims.step_progress(scheduler_output))
-            orders = replace(orders, push=s.push.take())
-        return KVBridgeConnectorMetadata(orders)
+        worker (loads, holds, releases, renewals; pushes and expectations); resets them."""
+        return KVBridgeConnectorMetadata(self._s().take_orders(shims.step_progress(scheduler_output)))
 
     def has_pending_push_work(self) -> bool:
         """Scheduler, each loop: keep stepping while push offers, writes or releases are
         pending (push mode)."""
-        return self._sched is not None and self._sched.push is not None and self._sched.push.pending
-
-    def _select(self, block_ids: Any) -> tuple:
-        return shims.select_groups(self._kv_cache_config, block_ids)
+        return self._sched is not None and self._sched.pending
 
     def update_connector_output(self, connector_output: Any) -> None:
         """Scheduler, with the workers' merged results of a step: forgets the requests
@@ -311,7 +265,7 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         done = set(getattr(connector_output, "finished_recving", None) or ())
         done |= set(getattr(connector_output, "finished_sending", None) or ())
         if done:
-            self._s().state.forget(list(done))
+            self._s().forget(list(done))
 
     def request_finished(self, request: Request, block_ids: list[int]
                          ) -> tuple[bool, dict[str, Any] | None]:
@@ -325,14 +279,7 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
                                     ) -> tuple[bool, dict[str, Any] | None]:
         """As :meth:`request_finished`, with one block list per KV-cache group. A push-mode
         prefill request keeps its blocks until its workers report the push released."""
-        params = request.kv_transfer_params
-        if is_push(params):
-            push = self._s().push
-            if push is not None and params.get("do_remote_decode"):
-                keep = push.prefill_finished(request.request_id)
-                return keep, ({"transfer_mode": "push", "kvbridge_pushed": keep} if keep else None)
-            return False, None
-        return self._s().state.finished(
+        return self._s().finished(
             request.request_id, request.kv_transfer_params,
             completed=shims.request_completed(request),
             block_ids=shims.select_groups(self._kv_cache_config, block_ids),
@@ -348,10 +295,14 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
                 raise ValueError(f"rank {rank} published {type(m).__name__}, not KVBridgeHandshake: "
                                  "every worker must run KVBridgeConnector")
             payloads[rank] = (m.compat_hash, m.metadata, m.compat_info)
-        self._s().serve(payloads)
+        if self._side is None:
+            raise RuntimeError("scheduler-side method called on a worker-side KVBridgeConnector")
+        served = self._side.serve(payloads)
+        if served is not None:
+            self._s().set_served(*served)
 
     # ----- worker side -----------------------------------------------------
-    def _w(self) -> WorkerSide:
+    def _w(self) -> RankEngines:
         if self._worker is None:
             raise RuntimeError("worker-side method called on a scheduler-side KVBridgeConnector")
         return self._worker
@@ -387,9 +338,7 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         """Worker, every step with this step's metadata bound (vLLM 0.32: after the
         forward pass unless the step loads synchronously): carries out the orders
         (holds, loads, releases, renewals, push expectations) without waiting."""
-        meta = self._connector_metadata
-        if isinstance(meta, KVBridgeConnectorMetadata):
-            self._w().start(meta.orders)
+        self._w().start(self._orders())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Worker, inside each attention layer: nothing to wait for (loads finish
@@ -403,9 +352,7 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         engine's worker thread, so the copy overlaps the rest of the forward pass. Pull
         mode: nothing (the decode side reads the blocks)."""
         if self._worker is not None:
-            meta = self._connector_metadata
-            self._worker.save_layer(layer_name, meta.orders.push
-                                    if isinstance(meta, KVBridgeConnectorMetadata) else None)
+            self._worker.save_layer(layer_name, self._orders())
 
     def wait_for_save(self) -> None:
         """Worker, every step after the forward pass: push mode writes what the layers did
@@ -413,9 +360,12 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         blocks stay allocated until the workers report the push released. Pull mode:
         nothing (blocks are held in place)."""
         if self._worker is not None:
-            meta = self._connector_metadata
-            self._worker.finish_saves(meta.orders.push
-                                      if isinstance(meta, KVBridgeConnectorMetadata) else None)
+            self._worker.finish_saves(self._orders())
+
+    def _orders(self) -> Orders:
+        """This step's orders, as bound by vLLM (none before the first step)."""
+        meta = self._connector_metadata
+        return meta.orders if isinstance(meta, KVBridgeConnectorMetadata) else self._no_orders
 
     def _results(self) -> TransferResults:
         return self._w().results()
@@ -453,3 +403,5 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker.close()
         if self._sched is not None:
             self._sched.close()
+        if self._side is not None:
+            self._side.close()

@@ -37,7 +37,7 @@ from kvbridge.vllm.cachespec import (
     model_identity,
 )
 from kvbridge.vllm.config import ConnectorConfig
-from kvbridge.vllm.groups import (
+from kvbridge.vllm.kv_cache_groups import (
     GroupFacts,
     attention_block_size,
     cache_groups,

@@ -8,11 +8,17 @@ Supported: vLLM 0.32 (tested), and the older spellings noted here.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from functools import cached_property
+from typing import TYPE_CHECKING
+
+from kvbridge.topology import BlockIds
+from kvbridge.vllm.modes import StepProgress
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
@@ -28,6 +34,7 @@ except ImportError:  # pragma: no cover - older vLLM
 
 __all__ = [
     "CacheHitSource",
+    "VllmAllocation",
     "KVConnectorTransferResults",
     "attention_backend_name",
     "computed_block_count",
@@ -63,12 +70,13 @@ def transfer_group_ids(kv_cache_config: KVCacheConfig | None) -> tuple[int, ...]
     return tuple(ids) if ids is not None else (0,)
 
 
-def select_groups(kv_cache_config: KVCacheConfig | None, block_ids: Any) -> tuple:
-    """Per-group block id lists of the transfer groups (vLLM >= 0.32 may exclude some)."""
+def select_groups(kv_cache_config: KVCacheConfig | None,
+                  block_ids: Sequence[Sequence[int]]) -> BlockIds:
+    """Per-group block ids of the transfer groups (vLLM >= 0.32 may exclude some)."""
     sel = getattr(kv_cache_config, "select_transfer_block_ids", None)
     if sel is not None and block_ids:
         block_ids = sel(tuple(block_ids))
-    return tuple(block_ids)
+    return tuple(tuple(int(b) for b in g) for g in block_ids)
 
 
 def unhashed_block_ids(blocks: KVCacheBlocks) -> list:
@@ -111,12 +119,10 @@ def computed_block_count(blocks: KVCacheBlocks, kv_cache_config: KVCacheConfig |
 
 
 def drop_last_prompt_token(request: Request) -> bool:
-    """A prefill request for a remote decode on a Mamba hybrid: drop its last prompt
-    token (once), so the state it leaves is the one before that token, which the
-    decode engine then computes itself (as vLLM's NixlConnector does). True if dropped."""
-    params = request.kv_transfer_params
-    if (not params or not params.get("do_remote_decode") or params.get("do_remote_prefill")
-            or params.get("_kvbridge_truncated") or request.num_prompt_tokens <= 1):
+    """Drop a request's last prompt token (a prefill request for a remote decode on a Mamba
+    hybrid, once), so the state it leaves is the one before that token, which the decode
+    engine then computes itself (as vLLM's NixlConnector does). True if dropped."""
+    if request.num_prompt_tokens <= 1:
         return False
     skip = getattr(request, "get_skip_reading_prefix_cache", None)
     if skip is not None and skip():
@@ -130,7 +136,6 @@ def drop_last_prompt_token(request: Request) -> bool:
     del request._all_token_ids[-1:]
     request.num_prompt_tokens -= 1
     request.max_tokens = 1
-    params["_kvbridge_truncated"] = True
     return True
 
 
@@ -198,16 +203,47 @@ def required_kvcache_layout(use_mla: bool) -> str | None:
         return "HND"
 
 
-def step_progress(scheduler_output: Any) -> list[tuple[str, int, int, Any]]:
+def step_progress(scheduler_output: SchedulerOutput) -> list[StepProgress]:
     """This step's scheduled requests as (id, tokens computed before the step, tokens
     scheduled in it, newly allocated block ids per group or None)."""
     scheduled = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
     out = []
     for r in getattr(scheduler_output, "scheduled_new_reqs", None) or ():
-        out.append((r.req_id, int(r.num_computed_tokens), int(scheduled.get(r.req_id, 0)), r.block_ids))
+        out.append((r.req_id, int(r.num_computed_tokens), int(scheduled.get(r.req_id, 0)),
+                    _block_ids(r.block_ids)))
     cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
     if cached is not None:
         for i, rid in enumerate(cached.req_ids):
             out.append((rid, int(cached.num_computed_tokens[i]), int(scheduled.get(rid, 0)),
-                        cached.new_block_ids[i]))
+                        _block_ids(cached.new_block_ids[i])))
     return out
+
+
+def _block_ids(groups: Sequence[Sequence[int]] | None) -> BlockIds | None:
+    return None if groups is None else tuple(tuple(int(b) for b in g) for g in groups)
+
+
+class VllmAllocation:
+    """A request's blocks as :class:`kvbridge.vllm.modes.Allocation`, read from vLLM's
+    ``KVCacheBlocks`` on first use (most requests never need them), transfer groups only."""
+
+    def __init__(self, blocks: KVCacheBlocks, kv_cache_config: KVCacheConfig | None) -> None:
+        self._blocks = blocks
+        self._config = kv_cache_config
+
+    @cached_property
+    def block_ids(self) -> BlockIds:
+        return select_groups(self._config, self._blocks.get_block_ids())
+
+    @cached_property
+    def prefix_hits(self) -> int:
+        return computed_block_count(self._blocks, self._config)
+
+    @cached_property
+    def first_group_hits(self) -> int:
+        return computed_block_count(self._blocks)
+
+    @cached_property
+    def new_block_ids(self) -> BlockIds:
+        return select_groups(self._config, load_block_ids(self._blocks, self._config,
+                                                          self.prefix_hits))

@@ -154,7 +154,7 @@ def mamba_spec_for(g: GroupFacts, *, tp_size: int, dim_first: bool,
     delta-net is described with the same pieces (the V channels and value heads as
     ``x``/SSM heads, the Q and K channels as ``B``/``C``), which is exact for equal TP
     sizes; its channel order (Q, K, V) differs, so a heterogeneous-TP read is refused
-    by the connector (:func:`kvbridge.vllm.scheduling.check_remote_parallelism`).
+    by the pull scheduler (``equal_tp_only`` of :class:`kvbridge.vllm.pull.scheduler.PullScheduler`).
     """
     if len(g.state_shapes) != 2 or len(g.state_shapes[0]) != 2 or len(g.state_shapes[1]) != 3:
         raise CacheShapeError(

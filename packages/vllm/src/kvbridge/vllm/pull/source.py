@@ -1,4 +1,4 @@
-"""Scheduler-side arithmetic and checks of one remote prefill, independent of vLLM.
+"""A pull-mode decode request's source: tokens to load and the checks, independent of vLLM.
 
 vLLM asks the connector how many prompt tokens beyond the locally computed
 ones it can load (``get_num_new_matched_tokens``). For a decode request whose

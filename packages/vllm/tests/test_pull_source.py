@@ -1,4 +1,4 @@
-"""Scheduler-side arithmetic and checks of a remote prefill (kvbridge.vllm.scheduling)."""
+"""Pull mode: tokens to load and checks of a remote prefill (kvbridge.vllm.pull.source)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvbridge.vllm.params import ParamsError, RemotePrefill
-from kvbridge.vllm.scheduling import check_remote_blocks, check_remote_parallelism, tokens_to_load
+from kvbridge.vllm.pull.source import check_remote_blocks, check_remote_parallelism, tokens_to_load
 
 
 def _rp(blocks: tuple[tuple[int, ...], ...] = ((1,),), num_tokens: int | None = 70,

@@ -1,16 +1,21 @@
-"""The connector's scheduler-side bookkeeping (kvbridge.vllm.steps), without vLLM."""
+"""Pull mode's scheduler half (kvbridge.vllm.pull.scheduler), without vLLM."""
 
 from __future__ import annotations
 
 import pytest
 
+from kvbridge.vllm.modes import Allocated
 from kvbridge.vllm.params import (
     PARAMS_VERSION,
     decode_remote_prefill,
     is_remote_prefill,
     prefill_request_params,
 )
-from kvbridge.vllm.steps import PROCESSED_KEY, SchedulerState
+from kvbridge.vllm.pull.scheduler import PullScheduler
+
+
+def _alloc(new_block_ids: list, hits: int = 0) -> Allocated:
+    return Allocated(new_block_ids=tuple(tuple(g) for g in new_block_ids), prefix_hits=hits)
 
 
 class Clock:
@@ -21,23 +26,23 @@ class Clock:
         return self.t
 
 
-def prefill(clock: Clock | None = None, **kw) -> SchedulerState:
+def prefill(clock: Clock | None = None, **kw) -> PullScheduler:
     base = dict(engine_id="P", block_size=16, tp_size=2, address=("10.0.0.1", 5601),
                 producer=True, consumer=False, heartbeat_s=5.0, clock=clock or Clock())
     base.update(kw)
-    s = SchedulerState(**base)
-    s.set_incarnation("inc-1")
+    s = PullScheduler(**base)
+    s.set_served("inc-1", {})
     return s
 
 
-def decode(clock: Clock | None = None, **kw) -> SchedulerState:
+def decode(clock: Clock | None = None, **kw) -> PullScheduler:
     base = dict(engine_id="D", block_size=16, tp_size=1, address=("10.0.0.2", 5602),
                 producer=False, consumer=True, heartbeat_s=5.0, clock=clock or Clock())
     base.update(kw)
-    return SchedulerState(**base)
+    return PullScheduler(**base)
 
 
-def finish_prefill(p: SchedulerState, rid: str = "p-1", prompt: int = 40,
+def finish_prefill(p: PullScheduler, rid: str = "p-1", prompt: int = 40,
                    blocks=(7, 3, 9, 12)) -> dict:
     params = prefill_request_params()
     held, out = p.finished(rid, params, completed=True, block_ids=(list(blocks),),
@@ -50,7 +55,7 @@ def test_prefill_holds_the_computed_blocks_and_returns_vllm_style_params() -> No
     p = prefill()
     out = finish_prefill(p, prompt=40, blocks=(7, 3, 9, 12))  # 40 tokens: 3 blocks of 16
     orders = p.take_orders()
-    assert [(h.request_id, h.block_ids) for h in orders.holds] == [("p-1", (7, 3, 9))]
+    assert [(h.request_id, h.block_ids) for h in orders.holds] == [("p-1", ((7, 3, 9),))]
     token = orders.holds[0].token
     assert len(token) == 32 and out["kvbridge_token"] == token
     assert is_remote_prefill(out) and out["do_remote_decode"] is False
@@ -59,7 +64,7 @@ def test_prefill_holds_the_computed_blocks_and_returns_vllm_style_params() -> No
     assert out["tp_size"] == 2 and out["remote_num_tokens"] == 40 and out["remote_block_size"] == 16
     assert out["kvbridge_incarnation"] == "inc-1" and out["kvbridge_version"] == PARAMS_VERSION
     rp = decode_remote_prefill(out)
-    assert rp.transfer.token == token and rp.transfer.incarnation == "inc-1"
+    assert rp.token == token and rp.incarnation == "inc-1"
     assert p.take_orders().empty  # orders go out once
     # a second request gets its own token
     finish_prefill(p, "p-2")
@@ -71,7 +76,7 @@ def test_prefill_holds_the_computed_blocks_and_returns_vllm_style_params() -> No
 def test_prefill_does_not_hold_what_it_cannot_serve(why: str) -> None:
     p = prefill(producer=why != "not-producer")
     if why == "no-metadata":
-        p.set_incarnation("")
+        p.set_served("", {})
     params = {} if why == "no-remote-decode" else prefill_request_params()
     blocks = [] if why == "no-blocks" else [1, 2]
     held, out = p.finished("r", params, completed=why != "aborted", block_ids=(blocks,),
@@ -86,13 +91,15 @@ def test_decode_matches_the_prompt_but_its_last_token_and_orders_one_load() -> N
     assert d.matched_tokens("d-1", params, 40, 0) == (39, True)  # decode computes token 40
     assert d.matched_tokens("d-1", params, 40, 16) == (23, True)  # a 16-token local prefix hit
     assert d.matched_tokens("d-1", params, 40, 40) == (0, False)
-    d.after_alloc("d-1", params, 40, [[5, 6]], computed_blocks=1, num_external_tokens=23)
-    assert params["do_remote_prefill"] is False and params[PROCESSED_KEY] is True
+    d.after_alloc("d-1", params, 40, _alloc([[5, 6]], 1), 23)
+    # the request's parameters are never changed: the scheduler remembers the order itself
+    assert params == finish_prefill(prefill(), prompt=40) | {k: params[k] for k in (
+        "kvbridge_token", "remote_request_id")} and params["do_remote_prefill"] is True
     (ld,) = d.take_orders().loads
-    assert ld.request_id == "d-1" and ld.local_block_ids == (5, 6) and ld.computed_tokens == 16
-    assert ld.source.transfer.request_id == "p-1" and ld.source.block_ids == ((7, 3, 9),)
+    assert ld.request_id == "d-1" and ld.local_block_ids == ((5, 6),) and ld.computed_tokens == 16
+    assert ld.source.request_id == "p-1" and ld.source.block_ids == ((7, 3, 9),)
     # vLLM may call after_alloc again after the load: nothing new is ordered
-    d.after_alloc("d-1", params, 40, [[8]], computed_blocks=0, num_external_tokens=0)
+    d.after_alloc("d-1", params, 40, _alloc([[8]], 0), 0)
     assert d.take_orders().empty
     assert d.matched_tokens("d-1", params, 40, 0) == (0, False)
 
@@ -113,15 +120,15 @@ def test_full_local_hit_and_abort_before_allocation_release_the_prefill_blocks()
     short = finish_prefill(p, "p-0", prompt=33, blocks=(7, 3, 9))
     assert d.matched_tokens("d-0", short, 33, 32) == (0, False)
     assert d.matched_tokens("d-0", short, 33, 16) == (16, True)
-    d.after_alloc("d-1", hit, 40, [], computed_blocks=3, num_external_tokens=0)
+    d.after_alloc("d-1", hit, 40, _alloc([], 3), 0)
     aborted = finish_prefill(p, "p-2")
     assert d.finished("d-2", aborted, completed=False, block_ids=([],), num_computed_tokens=0,
                       num_prompt_tokens=40) == (False, None)
     orders = d.take_orders()
-    assert orders.loads == () and [r.transfer.request_id for r in orders.releases] == ["p-1", "p-2"]
+    assert orders.loads == () and [r.request_id for r in orders.releases] == ["p-1", "p-2"]
     # a request that was loaded is not released again when it finishes
     loaded = finish_prefill(p, "p-3")
-    d.after_alloc("d-3", loaded, 40, [[1, 2, 3]], 0, 40)
+    d.after_alloc("d-3", loaded, 40, _alloc([[1, 2, 3]], 0), 40)
     d.take_orders()
     assert d.finished("d-3", loaded, completed=True, block_ids=([1, 2, 3],), num_computed_tokens=41,
                       num_prompt_tokens=40) == (False, None)
@@ -133,13 +140,13 @@ def test_queued_requests_handshake_at_once_and_renew_every_heartbeat() -> None:
     p, d = prefill(), decode(clock)
     params = finish_prefill(p, "p-1")
     d.on_new_request("d-1", params, 40)
-    assert [r.transfer.request_id for r in d.take_orders().renewals] == ["p-1"]  # handshake now
+    assert [r.request_id for r in d.take_orders().renewals] == ["p-1"]  # handshake now
     clock.t += 4.9
     assert d.take_orders().empty
     clock.t += 0.2
-    assert [r.transfer.request_id for r in d.take_orders().renewals] == ["p-1"]
+    assert [r.request_id for r in d.take_orders().renewals] == ["p-1"]
     assert d.queued == 1
-    d.after_alloc("d-1", params, 40, [[4, 5, 6]], 0, 40)
+    d.after_alloc("d-1", params, 40, _alloc([[4, 5, 6]], 0), 40)
     clock.t += 10
     orders = d.take_orders()
     assert orders.renewals == () and len(orders.loads) == 1 and d.queued == 0
@@ -171,7 +178,7 @@ def test_unusable_params_mean_local_compute_with_one_warning(bad, caplog) -> Non
             assert d.matched_tokens("d-1", params, 40, 0) == (0, False)
     assert len([r for r in caplog.records if "d-1" in r.getMessage()]) == 1
     d.on_new_request("d-1", params, 40)
-    d.after_alloc("d-1", params, 40, [[1]], 0, 0)
+    d.after_alloc("d-1", params, 40, _alloc([[1]], 0), 0)
     assert d.take_orders().empty
 
 
@@ -179,7 +186,7 @@ def test_plain_requests_are_left_alone() -> None:
     d = decode()
     assert d.matched_tokens("x", None, 10, 0) == (0, False)
     assert d.matched_tokens("x", {}, 10, 0) == (0, False)
-    d.after_alloc("x", None, 10, [[1]], 0, 0)
+    d.after_alloc("x", None, 10, _alloc([[1]], 0), 0)
     assert d.finished("x", None, completed=True, block_ids=([1],), num_computed_tokens=10,
                       num_prompt_tokens=10) == (False, None)
     assert d.take_orders().empty
@@ -193,7 +200,7 @@ def test_producer_only_engine_ignores_decode_params() -> None:
 
 def test_bad_construction_is_refused() -> None:
     with pytest.raises(ValueError, match="block_size"):
-        SchedulerState(engine_id="x", block_size=0, tp_size=1, address=("h", 1), producer=True,
+        PullScheduler(engine_id="x", block_size=0, tp_size=1, address=("h", 1), producer=True,
                        consumer=False, heartbeat_s=1)
 
 
@@ -210,7 +217,7 @@ def test_params_of_a_pipeline_or_context_parallel_prefill_are_refused_by_name(
 
 
 def test_params_are_parsed_once_per_request(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvbridge.vllm import steps
+    from kvbridge.vllm.pull import scheduler as steps
 
     calls = []
     real = steps.decode_remote_prefill
@@ -220,7 +227,7 @@ def test_params_are_parsed_once_per_request(monkeypatch: pytest.MonkeyPatch) -> 
     d.on_new_request("d-1", params, 40)
     for _ in range(3):
         assert d.matched_tokens("d-1", params, 40, 0) == (39, True)
-    d.after_alloc("d-1", params, 40, [[1, 2, 3]], 0, 40)
+    d.after_alloc("d-1", params, 40, _alloc([[1, 2, 3]], 0), 40)
     (ld,) = d.take_orders().loads
     assert len(calls) == 1 and ld.source == decode_remote_prefill(params | {"do_remote_prefill": True})
     # a finished request's parse is forgotten: the same id with new params is parsed again
