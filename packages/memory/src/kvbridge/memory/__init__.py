@@ -109,6 +109,7 @@ Block ids (``kvbridge.memory.blockids``)
 
 from .blockids import BlockIdError, block_id_array
 from .descriptors import RankDescriptors, expand_strided, rank_descriptors
+from .device import use_cache_device
 from .errors import MemoryLayoutError
 from .geometry import RegionGeometry
 from .hugepages import HugePageResult, advise_huge_pages, huge_page_bytes, huge_page_size
@@ -133,4 +134,5 @@ __all__ = [
     "post_process",
     "rank_descriptors",
     "regions_from_kv_caches",
+    "use_cache_device",
 ]

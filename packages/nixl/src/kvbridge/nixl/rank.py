@@ -11,6 +11,7 @@ Nothing the caller calls blocks on a peer: ``poll()`` only looks.
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import time
@@ -36,6 +37,7 @@ from kvbridge.memory import (
     RegionGeometry,
     advise_huge_pages,
     regions_from_kv_caches,
+    use_cache_device,
 )
 from kvbridge.topology import EngineSpec, TopologyError, TransferPlan, TransferRecord
 
@@ -111,6 +113,12 @@ class RankEngine:
                 f"the cache regions were made for engine {regions.spec.engine_id!r} with another "
                 f"description than engine {spec.engine_id!r}; build them with this engine's spec"
             )
+        config = config or EngineConfig()
+        if regions.mem_type != config.mem_type:
+            raise ValueError(
+                f"the cache of engine {spec.engine_id!r} rank {rank} is in {regions.mem_type} "
+                f"memory but EngineConfig.mem_type is {config.mem_type!r}; set mem_type="
+                f"{regions.mem_type!r} (VRAM for CUDA tensors, DRAM for host memory)")
         self.spec, self.rank, self.regions = spec, rank, regions
         self.geometry = RegionGeometry.from_regions(regions)
         #: the KV-cache groups with the regions holding their layers (kvbridge.nixl.groups)
@@ -147,7 +155,8 @@ class RankEngine:
         self._events = EventQueue()
         self._worker = Worker(self.agent, f"kvbridge-handshake-{rank}", self.config.progress_interval_s,
                               cpus=self.config.worker_cpus,
-                              idle_interval_s=self.config.idle_progress_interval_s, busy=self._busy)
+                              idle_interval_s=self.config.idle_progress_interval_s, busy=self._busy,
+                              on_start=functools.partial(use_cache_device, regions))
         self.peers = PeerTable(self.agent, self.stats, self._start_handshake)
         self._orphans: list[Transfer] = []  # handles NIXL refused to release yet
         self._busy_until = 0.0  # monotonic time: busy until then (see busy_after_poll_s)

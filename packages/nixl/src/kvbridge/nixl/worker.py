@@ -108,8 +108,11 @@ class Worker:
 
     def __init__(self, agent: NixlAgent, name: str, progress_interval_s: float,
                  cpus: Sequence[int] | None = None, *, idle_interval_s: float | None = None,
-                 busy: Callable[[], bool] | None = None) -> None:
+                 busy: Callable[[], bool] | None = None,
+                 on_start: Callable[[], None] | None = None) -> None:
         self._agent = agent
+        #: called first on the thread (e.g. to make the cache's GPU its current device)
+        self._on_start = on_start
         self._interval = progress_interval_s
         #: the interval while ``busy()`` is false (None: always ``progress_interval_s``)
         self._idle_interval = idle_interval_s
@@ -158,6 +161,11 @@ class Worker:
 
     def _run(self) -> None:
         self._pin()
+        if self._on_start is not None:
+            try:
+                self._on_start()
+            except Exception:
+                log.exception("%s: its start-up call failed; it runs on without it", self._thread.name)
         while True:
             try:
                 job = self._jobs.get(timeout=self._timeout())

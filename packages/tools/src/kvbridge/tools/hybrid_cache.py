@@ -96,7 +96,8 @@ class HybridCache(SyntheticCache):
     """One rank's hybrid cache: page tensors shared by an attention and a Mamba layer."""
 
     @classmethod
-    def allocate(cls, spec: EngineSpec, rank: int, num_blocks: int) -> HybridCache:
+    def allocate(cls, spec: EngineSpec, rank: int, num_blocks: int,
+                 device: str | torch.device = "cpu") -> HybridCache:
         if spec.mamba is None or spec.kernel_blocks_per_block != 1:
             raise ValueError("a hybrid cache needs a Mamba spec and no kernel-block split")
         lay = element_layout(spec)
@@ -105,7 +106,7 @@ class HybridCache(SyntheticCache):
         conv = mamba_state_layout(spec)["ssm"][2]
         regions, caches = [], []
         for _ in range(spec.num_layers):
-            t = torch.zeros((num_blocks, page), dtype=torch.uint8)
+            t = torch.zeros((num_blocks, page), dtype=torch.uint8, device=device)
             regions.append(t)
             caches.append(_attention_view(spec, t, lay.elements_per_block * lay.element_bytes))
             caches.append((t[:, :conv], t[:, conv:state]))
@@ -139,7 +140,7 @@ class HybridCache(SyntheticCache):
         if content is not None and page is not None:
             for layer, t in enumerate(self.regions):
                 shard = self.state_shard(content, layer)
-                t[page, :shard.size] = torch.from_numpy(shard)
+                t[page, :shard.size] = torch.from_numpy(shard).to(t.device)
 
     @staticmethod
     def _state_page(mamba: list[int], null: int | None) -> int | None:
@@ -157,7 +158,7 @@ class HybridCache(SyntheticCache):
         if content is not None and page is not None:
             for layer, t in enumerate(self.regions):
                 shard = self.state_shard(content, layer)
-                bad += int(np.count_nonzero(t[page, :shard.size].numpy() != shard))
+                bad += int(np.count_nonzero(t[page, :shard.size].cpu().numpy() != shard))
         return bad
 
     def clear(self, block_ids) -> None:

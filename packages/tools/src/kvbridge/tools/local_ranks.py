@@ -1,4 +1,4 @@
-"""One engine's ranks in this process, over synthetic host-memory caches.
+"""One engine's ranks in this process, over synthetic caches in host or GPU memory.
 
 The building block of the multi-process harness (each harness process runs
 one :class:`LocalRanks`) and of the in-process engine tests.
@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from kvbridge.handshake import MetadataServer, new_incarnation
 from kvbridge.memory import kernel_spec
@@ -18,6 +19,17 @@ from kvbridge.topology import EngineSpec, kernel_block_ids
 
 from .hybrid_cache import HybridCache
 from .synthetic_cache import SyntheticCache
+
+
+def cache_device(config: EngineConfig, rank: int) -> str:
+    """Where a rank's synthetic cache lives: host memory for ``mem_type="DRAM"``; for
+    ``"VRAM"`` the CUDA device ``rank % device count`` (one GPU: every rank on it)."""
+    if config.mem_type != "VRAM":
+        return "cpu"
+    if not torch.cuda.is_available():
+        raise RuntimeError("mem_type='VRAM' needs a CUDA device, and torch sees none here; "
+                           "run with host memory (mem_type='DRAM', kvbridge demo --device cpu)")
+    return f"cuda:{rank % torch.cuda.device_count()}"
 
 
 @dataclass
@@ -41,7 +53,8 @@ class LocalRanks:
         engine_cls = PrefillEngine if role == "p" else DecodeEngine
         n = spec.kernel_blocks_per_block
         kind = HybridCache if spec.mamba is not None else SyntheticCache
-        caches = {r: kind.allocate(kernel_spec(spec), r, num_blocks * n) for r in ranks}
+        caches = {r: kind.allocate(kernel_spec(spec), r, num_blocks * n, cache_device(config, r))
+                  for r in ranks}
         inc = incarnation or new_incarnation()
         out = cls(spec, caches, {})
         try:

@@ -12,6 +12,7 @@ rows (HND), or per token each head's K then V (NHD).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -56,17 +57,21 @@ class SyntheticCache:
     kv_caches: list[torch.Tensor]
 
     @classmethod
-    def allocate(cls, spec: EngineSpec, rank: int, num_blocks: int) -> SyntheticCache:
+    def allocate(cls, spec: EngineSpec, rank: int, num_blocks: int,
+                 device: str | torch.device = "cpu") -> SyntheticCache:
+        """Zeroed caches for ``num_blocks`` blocks on ``device`` (host memory, or a CUDA
+        device such as ``"cuda:0"``)."""
         lay = element_layout(spec)
         nb, rb = num_blocks, lay.region_block_bytes
+        zeros = functools.partial(torch.zeros, dtype=torch.uint8, device=device)
         if spec.cross_layer:
-            caches = [torch.zeros((nb, rb), dtype=torch.uint8)]
+            caches = [zeros((nb, rb))]
             regions = list(caches)
         elif lay.separate_kv_regions:  # kv-first: [2, blocks, ...] per layer
-            caches = [torch.zeros((2, nb, rb), dtype=torch.uint8) for _ in range(spec.num_layers)]
+            caches = [zeros((2, nb, rb)) for _ in range(spec.num_layers)]
             regions = [t[k] for t in caches for k in range(2)]
         else:  # blocks-first [blocks, 2, ...] or MLA [blocks, ...]
-            caches = [torch.zeros((nb, lay.elements_per_block, lay.element_bytes), dtype=torch.uint8)
+            caches = [zeros((nb, lay.elements_per_block, lay.element_bytes))
                       for _ in range(spec.num_layers)]
             regions = [t.view(nb, rb) for t in caches]
             if spec.use_mla:
@@ -136,7 +141,7 @@ class SyntheticCache:
             layer, kind = lay.element_roles[role]
             for j, b in enumerate(block_ids):
                 el = self._element(kv, layer, kind, first_token + j * bs, bs)
-                t[b, off:off + el.size] = torch.from_numpy(el)
+                t[b, off:off + el.size] = torch.from_numpy(el).to(t.device)
 
     def expected(self, kv: np.ndarray, block_ids: list[int], first_token: int,
                  num_tokens: int) -> dict[tuple[int, int], np.ndarray]:
@@ -169,7 +174,7 @@ class SyntheticCache:
             tok = None
             for j, b in enumerate(block_ids):
                 e = exp[(role, b)]
-                got = t[b, off:off + e.size].numpy()
+                got = t[b, off:off + e.size].cpu().numpy()
                 valid = min(bs, num_tokens - (first_token + j * bs))
                 if valid < bs:
                     if tok is None:
