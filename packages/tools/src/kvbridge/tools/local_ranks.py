@@ -55,6 +55,8 @@ class LocalRanks:
         kind = HybridCache if spec.mamba is not None else SyntheticCache
         caches = {r: kind.allocate(kernel_spec(spec), r, num_blocks * n, cache_device(config, r))
                   for r in ranks}
+        if config.mem_type == "VRAM":  # this thread registers the caches with NIXL
+            torch.cuda.set_device(cache_device(config, ranks[0]))
         inc = incarnation or new_incarnation()
         out = cls(spec, caches, {})
         try:
