@@ -35,6 +35,7 @@ import argparse
 import json
 import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -83,6 +84,16 @@ def idle_cpu(engines: list[Engine], window_s: float) -> dict[str, float]:
     return {e.name: (cpu_seconds(e.proc.pid) - before[e.name]) / dt for e in engines}
 
 
+def freeze(engines: list[Engine], stop: bool) -> None:
+    """SIGSTOP (or SIGCONT) each engine's process group: a paused pair uses no CPU."""
+    for e in engines:
+        if e.alive():
+            try:
+                os.killpg(e.proc.pid, signal.SIGSTOP if stop else signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+
+
 def stall_evidence(engines: list[Engine], out_dir: Path) -> dict[str, Any]:
     """Log tails and notable lines of a pair that failed, copied next to the report."""
     ev: dict[str, Any] = {}
@@ -124,6 +135,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cpus", choices=("pinned", "nobind"), default="pinned",
                     help="pinned: prefill engines on core 0, decode engines on core 1; "
                          "nobind: no pinning, one OpenMP thread each")
+    ap.add_argument("--run-idle-pair", action="store_true",
+                    help="leave the pair whose turn it is not running (default: SIGSTOP it for the "
+                         "other pair's round, so that its idle CPU use, e.g. a spinning NIXL "
+                         "progress thread, cannot slow the other connector)")
     ap.add_argument("--round-deadline-s", type=float, default=180)
     ap.add_argument("--idle-window-s", type=float, default=3.0)
     ap.add_argument("--workdir", type=Path, default=None)
@@ -162,11 +177,14 @@ def main(argv: list[str] | None = None) -> int:
                       EngineDef(f"{tag}-decode", model, "decode", c, replace(base, cpus=d_cpus)))
     meta: dict[str, Any] = {
         "model": desc, "family": args.model_family, "prompts": f"{n} x {length} tokens",
-        "max_tokens": args.max_tokens, "rounds": args.rounds, "cpus": f"prefill {p_cpus}, decode {d_cpus}",
+        "max_tokens": args.max_tokens, "rounds": args.rounds,
+        "idle_pair": "running" if args.run_idle_pair else "paused (SIGSTOP) during the other's round",
+        "cpus": f"prefill {p_cpus}, decode {d_cpus}",
         "load_start": load_average(), "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "workdir": str(workdir), "command": " ".join(sys.argv)}
     print(f"side by side: {desc}; {meta['prompts']}; {args.rounds} rounds each, interleaved "
-          f"{names[0]}, {names[1]}, ...; {meta['cpus']}; load {meta['load_start']}", flush=True)
+          f"{names[0]}, {names[1]}, ...; {meta['cpus']}; idle pair {meta['idle_pair']}; "
+          f"load {meta['load_start']}", flush=True)
     pool = EnginePool(workdir)
     results: dict[str, dict[str, Any]] = {t: {"label": BENCH_CONNECTORS[t].label, "rounds": []} for t in names}
     t_start = time.monotonic()
@@ -187,6 +205,9 @@ def main(argv: list[str] | None = None) -> int:
                 if res.get("failed"):
                     continue
                 p, d = engines[t]
+                if not args.run_idle_pair:
+                    for other in names:
+                        freeze(list(engines[other]), stop=other != t)
                 t0 = time.monotonic()
                 try:
                     run = pd_round(p, d, prompts, args.max_tokens, deadline_s=args.round_deadline_s,
@@ -203,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"  {t:10s} round {r:2d}: TTFT {rec['ttft_ms']:8.1f} ms, {rec['transfers']:.0f} "
                       f"transfers, {rec['bytes'] / 2**20:.2f} MiB, load {rec['load']}", flush=True)
     finally:
+        for e in pool.engines.values():
+            freeze([e], stop=False)
         pool.close()
     meta["load_end"] = load_average()
     meta["wall_s"] = time.monotonic() - t_start

@@ -130,7 +130,7 @@ def print_report(meta: dict[str, Any], results: Sequence[dict[str, Any]]) -> lis
     _table([list(v) for v in vs])
     print("\n== markdown (docs/benchmarks.md) ==")
     print(f"<!-- {meta['started']}, load {meta['load_start']} -> {meta.get('load_end')}, "
-          f"{meta['model']}, {meta['prompts']}, {meta['cpus']}, {meta.get('wall_s', 0):.0f} s -->")
+          f"{meta['model']}, {meta['prompts']}, {meta['cpus']}, idle pair {meta.get('idle_pair')}, {meta.get('wall_s', 0):.0f} s -->")
     for row in markdown_rows(meta, results, vs):
         print(row)
     return vs
