@@ -51,6 +51,7 @@ from e2e_harness import (  # noqa: E402
     BENCH_CONNECTORS,
     EngineConfig,
     EngineFailed,
+    handshake_timings,
     make_prompts,
     missing_env_reason,
     tiny_llama,
@@ -115,6 +116,8 @@ def round_record(run: Any, wall_s: float, load: str) -> dict[str, Any]:
             "bytes": figs.get("bytes", 0.0), "transfers": figs.get("transfers", 0),
             "GB/s": figs.get("GB/s"), "wall_s": wall_s, "load": load,
             "problems": transfer_problems(run),
+            "handshake_ms": {k: [x * 1e3 for x in v]
+                             for k, v in handshake_timings(run.decode_log, run.connector).items() if v},
             "tokens": [len(o["token_ids"]) for o in outs]}
 
 

@@ -118,6 +118,12 @@ def print_report(meta: dict[str, Any], results: Sequence[dict[str, Any]]) -> lis
                      f"{_fmt(s['overhead_ms'])} ms", _fmt(s["gbps_median"], ".2f"), str(s["rounds"])])
     _table(rows)
     for res in results:
+        hs = (res["rounds"][0].get("handshake_ms") or {}) if res["rounds"] else {}
+        if hs:
+            print(f"  {res['label']} first handshake (decode log): "
+                  + ", ".join(f"{k.removesuffix('_s')} " + "/".join(f"{x:.1f}" for x in v) + " ms"
+                              for k, v in hs.items()))
+    for res in results:
         for eng, ev in (res.get("evidence") or {}).items():
             print(f"\n-- {eng} (alive: {ev['alive']}; full log {ev['log']}) notable lines:")
             for ln in ev["notable"]:
