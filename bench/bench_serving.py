@@ -12,7 +12,8 @@ lengths, Poisson arrivals at each ``--rates`` value, streamed ``/v1/completions`
 reports TTFT p50/p99, inter-token latency p50 and output tokens/s per rate.
 
 Setups, each started fresh (vLLM OpenAI servers, the tiny 2-layer Llama with its word
-tokenizer, unpinned with one OpenMP thread each, as in the served e2e tests):
+tokenizer; by default the prefill worker pinned to core 0 and the decode worker, or the
+single engine, to core 1):
 
   pull    1 prefill + 1 decode with KVBridgeConnector (pull) behind ``kvbridge router``;
   nixl    1 prefill + 1 decode with vLLM's NixlConnector (host settings) behind the router;
@@ -30,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -42,6 +44,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "e2e"))
 
 from e2e_harness import NIXL_CONNECTOR_HOST, e2e_python, missing_env_reason  # noqa: E402
+from proc_cpu import describe  # noqa: E402
 from served import (  # noqa: E402
     MODEL_NAME,
     SERVED_CONNECTOR,
@@ -73,10 +76,11 @@ def load_average() -> str:
     return " ".join(Path("/proc/loadavg").read_text().split()[:3])
 
 
-def start_setup(setup: str, model: Path, workdir: Path) -> tuple[list[Served], Served]:
+def start_setup(setup: str, model: Path, workdir: Path, pinned: bool) -> tuple[list[Served], Served]:
     """The servers of one setup, ready; returns (all servers, the one the load goes to)."""
+    p_cpus, d_cpus = ("0", "1") if pinned else ("nobind", "nobind")
     if setup == "single":
-        e = engine("single", model, "decode", workdir)
+        e = engine("single", model, "decode", workdir, cpus=d_cpus)
         i = e.argv.index("--kv-transfer-config")
         del e.argv[i:i + 2]
         e.start()
@@ -84,8 +88,8 @@ def start_setup(setup: str, model: Path, workdir: Path) -> tuple[list[Served], S
         return [e], e
     connector = SERVED_CONNECTOR if setup == "pull" else replace(NIXL_CONNECTOR_HOST,
                                                                   kv_load_failure_policy="recompute")
-    p = engine(f"{setup}-prefill", model, "prefill", workdir, connector=connector)
-    d = engine(f"{setup}-decode", model, "decode", workdir, connector=connector)
+    p = engine(f"{setup}-prefill", model, "prefill", workdir, connector=connector, cpus=p_cpus)
+    d = engine(f"{setup}-decode", model, "decode", workdir, connector=connector, cpus=d_cpus)
     servers = [p.start(), d.start()]
     wait_ready(servers, 900)
     r = router([p], [d], workdir, name=f"{setup}-router").start()
@@ -138,10 +142,12 @@ def run_setup(setup: str, model: Path, args: argparse.Namespace, workdir: Path) 
     servers: list[Served] = []
     res: dict[str, Any] = {"setup": setup, "rates": []}
     try:
-        servers, front = start_setup(setup, model, workdir / setup)
+        servers, front = start_setup(setup, model, workdir / setup, args.cpus == "pinned")
         res["start_s"] = time.monotonic() - t0
         decode = next((s for s in servers if s.extra.get("role") == "decode"), None)
         print(f"[{setup}] servers ready in {res['start_s']:.0f} s (load {load_average()})", flush=True)
+        res["idle_cpu"] = describe({s.name: s.proc.pid for s in servers if s.proc}, 2.0, 4)
+        print("\n".join(f"[{setup}] idle {ln}" for ln in res["idle_cpu"]), flush=True)
         for rate in args.rates:
             before = decode.metrics() if decode else {}
             load0 = load_average()
@@ -158,6 +164,8 @@ def run_setup(setup: str, model: Path, args: argparse.Namespace, workdir: Path) 
     except (RuntimeError, subprocess.TimeoutExpired) as exc:
         res["failed"] = str(exc)[:2000]
         print(f"[{setup}] FAILED: {res['failed']}", flush=True)
+        res["stall_cpu"] = describe({s.name: s.proc.pid for s in servers if s.alive() and s.proc})
+        print("\n".join(f"[{setup}] at failure {ln}" for ln in res["stall_cpu"]), flush=True)
     finally:
         stop_all(servers)
     res["wall_s"] = time.monotonic() - t0
@@ -191,10 +199,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--rate-timeout-s", type=float, default=300)
+    ap.add_argument("--cpus", choices=("pinned", "nobind"), default="pinned",
+                    help="pinned: prefill worker on core 0, decode (or the single engine) on core 1; "
+                         "nobind: as the served e2e tests (vLLM then put both workers on core 1 here)")
+    ap.add_argument("--rate-timeout-s", type=float, default=150,
+                    help="bound on one rate's vllm bench serve run (a stalled setup fails after it)")
     ap.add_argument("--workdir", type=Path, default=None)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
+    # a timeout's SIGTERM must still stop the servers (each runs in its own session)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     reason = missing_env_reason()
     if reason:
         print(reason, file=sys.stderr)
@@ -202,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="kvb-serving-"))
     model = served_model(kv_heads=2)
     meta = {"started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "load_start": load_average(),
-            "load_desc": f"tiny Llama (2 layers, 2 KV heads x 32, fp32), random {args.input_len} in / "
+            "load_desc": f"cpus {args.cpus}, tiny Llama (2 layers, 2 KV heads x 32, fp32), random {args.input_len} in / "
                          f"{args.output_len} out tokens, {args.num_prompts} requests per rate, Poisson "
                          f"rates {', '.join(f'{r:g}' for r in args.rates)}/s",
             "command": " ".join(sys.argv), "workdir": str(workdir)}

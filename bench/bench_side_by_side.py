@@ -60,6 +60,7 @@ from e2e_harness import (  # noqa: E402
 )
 from engine_pool import Engine, EngineDef, EnginePool, pd_round  # noqa: E402
 from families import FAMILIES, tiny_family_model  # noqa: E402
+from proc_cpu import describe  # noqa: E402
 from side_by_side_report import print_report  # noqa: E402
 
 #: log lines worth showing when a pair stalls or fails
@@ -98,11 +99,12 @@ def freeze(engines: list[Engine], stop: bool) -> None:
 def stall_evidence(engines: list[Engine], out_dir: Path) -> dict[str, Any]:
     """Log tails and notable lines of a pair that failed, copied next to the report."""
     ev: dict[str, Any] = {}
+    cpu = describe({e.name: e.proc.pid for e in engines if e.alive()}, 2.0, 4)
     for e in engines:
         text = e.log_since(0)
         (out_dir / f"{e.name}.log").write_text(text)
         lines = [ln for ln in text.splitlines() if STALL_PATTERNS.search(ln)]
-        ev[e.name] = {"alive": e.alive(), "notable": lines[-15:],
+        ev[e.name] = {"alive": e.alive(), "notable": lines[-15:], "cpu": cpu,
                       "tail": text.splitlines()[-15:], "log": str(out_dir / f"{e.name}.log")}
     return ev
 
@@ -147,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", type=Path, default=None)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
+    # a timeout's SIGTERM must still stop the servers (each runs in its own session)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     if args.rounds < 2:
         ap.error("--rounds must be at least 2 (round 0 is the first request)")
     names = args.connector or ["kvbridge", "nixl-host"]

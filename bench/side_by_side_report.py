@@ -128,6 +128,7 @@ def print_report(meta: dict[str, Any], results: Sequence[dict[str, Any]]) -> lis
             print(f"\n-- {eng} (alive: {ev['alive']}; full log {ev['log']}) notable lines:")
             for ln in ev["notable"]:
                 print("   " + ln[:240])
+            print("   CPU of the pair (busiest threads): " + " | ".join(ev.get("cpu", [])))
             print("   tail:")
             for ln in ev["tail"]:
                 print("   " + ln[:240])
