@@ -113,7 +113,13 @@ def round_record(run: Any, wall_s: float, load: str) -> dict[str, Any]:
     outs = run.decode["rounds"][0]["outputs"]
     ttfts = [o["metrics"]["first_token_latency"] for o in outs if o.get("metrics")]
     figs = transfer_figures(run, 0)
+    # queued -> scheduled in the decode scheduler: the load's wait (handshake, READs, the
+    # completion reaching the scheduler), without the front end and the forward pass
+    waits = [(o["metrics"]["scheduled_ts"] - o["metrics"]["queued_ts"]) for o in outs
+             if (o.get("metrics") or {}).get("scheduled_ts") and o["metrics"].get("queued_ts")]
     return {"ttft_ms": statistics.fmean(ttfts) * 1e3 if ttfts else None,
+            "wait_ms": statistics.fmean(waits) * 1e3 if waits else None,
+            "transfer_ms": figs.get("transfer_s", 0.0) * 1e3,
             "ttft_max_ms": max(ttfts) * 1e3 if ttfts else None,
             "bytes": figs.get("bytes", 0.0), "transfers": figs.get("transfers", 0),
             "GB/s": figs.get("GB/s"), "wall_s": wall_s, "load": load,

@@ -22,6 +22,11 @@ def _fmt(v: float | None, spec: str = ".1f") -> str:
     return "-" if v is None else format(v, spec)
 
 
+def _median(xs: Sequence[float | None]) -> float | None:
+    vals = [x for x in xs if x is not None]
+    return statistics.median(vals) if vals else None
+
+
 def summary(res: dict[str, Any]) -> dict[str, Any]:
     """Steady TTFT (median, min, max of rounds >= 1), first TTFT, first-request overhead,
     GB/s median, and the rounds that moved no bytes."""
@@ -39,6 +44,8 @@ def summary(res: dict[str, Any]) -> dict[str, Any]:
         "steady_max_ms": max(later) if later else None,
         "overhead_ms": first - steady if first is not None and steady is not None else None,
         "gbps_median": statistics.median(rates) if rates else None,
+        "wait_ms": _median([r.get("wait_ms") for r in rounds[1:]]),
+        "transfer_ms": _median([r.get("transfer_ms") for r in rounds[1:]]),
         "no_kv_rounds": [i for i, r in enumerate(rounds) if not r.get("bytes")],
         "problems": sorted({p for r in rounds for p in r.get("problems", [])}),
     }
@@ -110,12 +117,13 @@ def print_report(meta: dict[str, Any], results: Sequence[dict[str, Any]]) -> lis
     _table(rows)
     print("\n== summary ==")
     rows = [["connector", "steady TTFT median (min-max)", "first TTFT", "1st-req overhead",
-             "GB/s median", "rounds"]]
+             "queue->sched median", "transfer ms median", "GB/s median", "rounds"]]
     for res in results:
         s = summary(res)
         rows.append([res["label"], f"{_fmt(s['steady_ms'])} ({_fmt(s['steady_min_ms'])}-"
                      f"{_fmt(s['steady_max_ms'])}) ms", f"{_fmt(s['first_ms'])} ms",
-                     f"{_fmt(s['overhead_ms'])} ms", _fmt(s["gbps_median"], ".2f"), str(s["rounds"])])
+                     f"{_fmt(s['overhead_ms'])} ms", f"{_fmt(s['wait_ms'])} ms", f"{_fmt(s['transfer_ms'])} ms",
+                     _fmt(s["gbps_median"], ".2f"), str(s["rounds"])])
     _table(rows)
     for res in results:
         hs = (res["rounds"][0].get("handshake_ms") or {}) if res["rounds"] else {}
