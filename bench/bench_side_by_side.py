@@ -150,6 +150,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="leave the pair whose turn it is not running (default: SIGSTOP it for the "
                          "other pair's round, so that its idle CPU use, e.g. a spinning NIXL "
                          "progress thread, cannot slow the other connector)")
+    ap.add_argument("--no-warmup", action="store_true",
+                    help="skip the one local request per engine before round 0 (then the first-"
+                         "request overhead also holds each engine's first forward pass)")
     ap.add_argument("--round-deadline-s", type=float, default=180)
     ap.add_argument("--idle-window-s", type=float, default=3.0)
     ap.add_argument("--workdir", type=Path, default=None)
@@ -191,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     meta: dict[str, Any] = {
         "model": desc, "family": args.model_family, "prompts": f"{n} x {length} tokens",
         "max_tokens": args.max_tokens, "rounds": args.rounds,
+        "warmup": not args.no_warmup,
         "idle_pair": "running" if args.run_idle_pair else "paused (SIGSTOP) during the other's round",
         "cpus": f"prefill {p_cpus}, decode {d_cpus}",
         "load_start": load_average(), "started": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -208,6 +212,10 @@ def main(argv: list[str] | None = None) -> int:
         for t in names:
             engines[t] = (running[all_defs.index(pairs[t][0])], running[all_defs.index(pairs[t][1])])
         meta["engine_start_s"] = pool.report()
+        if not args.no_warmup:  # each engine's first forward pass, outside round 0
+            warm = make_prompts([min(length, 64)], seed=999)
+            for e in running:
+                e.call("generate", args.round_deadline_s, prompts=warm, max_tokens=2, params=None)
         meta["idle_cpu"] = idle_cpu(running, args.idle_window_s)
         print(f"engines up ({meta['engine_start_s']}); idle CPU per engine: "
               + ", ".join(f"{k} {v:.2f}" for k, v in meta["idle_cpu"].items()), flush=True)
