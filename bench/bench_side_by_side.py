@@ -16,7 +16,9 @@ in round 0, the pull and the last prompt token's forward pass), averaged over th
 batch, and the bytes the decode engine's connector metrics say it pulled: a round
 that moved no bytes is a silent recompute and fails the run. Steady TTFT is the
 median (with min and max) of rounds >= 1; first-request overhead is round 0 minus
-that median. Each engine's CPU use while idle (seconds of CPU per second of wall
+that median. Before round 0 every engine runs one local request (no connector
+involved), so that round 0 holds the connector's first-request costs (handshake, first
+transfer) and not the engine's first forward pass. Each engine's CPU use while idle (seconds of CPU per second of wall
 time, from /proc, before the first round) is printed too: a NIXL progress thread
 that spins shows there, and it takes a core away from whatever shares it.
 
