@@ -14,6 +14,9 @@ import json
 import sys
 from pathlib import Path
 
+LABELS = {"pull": "kvbridge P/D pull", "push": "kvbridge P/D push", "nixl": "NixlConnector P/D",
+          "single": "one engine alone"}
+
 
 def main(argv: list[str]) -> int:
     if len(argv) < 2:
@@ -37,7 +40,7 @@ def main(argv: list[str]) -> int:
     fig, axes = plt.subplots(1, 4, figsize=(16, 4))
     for ax, (key, label) in zip(axes, panels, strict=True):
         for name, rows in setups.items():
-            ax.plot([r["rate"] for r in rows], [r[key] for r in rows], marker="o", label=name)
+            ax.plot([r["rate"] for r in rows], [r[key] for r in rows], marker="o", label=LABELS.get(name, name))
         ax.set_xlabel("request rate (req/s)")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
