@@ -2,7 +2,7 @@
 """vLLM's own serving benchmark (``vllm bench serve``) through ``kvbridge router`` (issue 23, item 7).
 
     .e2e/venv/bin/python bench/bench_serving.py [--setup pull --setup nixl --setup single]
-        [--rates 1,2,4] [--num-prompts 24] [--json /tmp/serving.json]
+        [--rates 1,2,4] [--num-prompts 16] [--json /tmp/serving.json]
     uv run --frozen --with matplotlib python bench/plot_serving.py /tmp/serving.json docs/serving-bench.png
 
 The load generator is vLLM's ``vllm.benchmarks.serve`` (what ``vllm bench serve`` runs;
@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--setup", action="append", choices=SETUPS,
                     help="setups in order (default: pull, push, nixl, single)")
     ap.add_argument("--rates", type=lambda s: [float(x) for x in s.split(",")], default=[1.0, 2.0, 4.0])
-    ap.add_argument("--num-prompts", type=int, default=24, help="requests per rate")
+    ap.add_argument("--num-prompts", type=int, default=16, help="requests per rate")
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
