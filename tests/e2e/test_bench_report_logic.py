@@ -1,0 +1,63 @@
+"""Logic of bench_side_by_side.py's report and bench_serving.py's KV check (no engines)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from types import ModuleType
+
+BENCH = str(Path(__file__).resolve().parents[2] / "bench")
+
+
+def _bench(name: str) -> ModuleType:
+    if BENCH not in sys.path:
+        sys.path.insert(0, BENCH)
+    import importlib
+
+    return importlib.import_module(name)
+
+
+def _res(label: str, ttfts: list[float], moved: float = 1e6, **extra: object) -> dict:
+    return {"label": label, "rounds": [{"ttft_ms": t, "bytes": moved, "GB/s": 1.0, "problems": []}
+                                       for t in ttfts], **extra}
+
+
+def _verdict(vs: list, figure: str, who: str | None = None) -> str:
+    return next(v[4] for v in vs if v[1].startswith(figure) and (who is None or v[0] == who))
+
+
+def test_side_by_side_summary_uses_rounds_after_the_first() -> None:
+    rep = _bench("side_by_side_report")
+    s = rep.summary(_res("a", [300.0, 10.0, 30.0, 20.0]))
+    assert (s["steady_ms"], s["steady_min_ms"], s["steady_max_ms"]) == (20.0, 10.0, 30.0)
+    assert s["first_ms"] == 300.0 and s["overhead_ms"] == 280.0
+
+
+def test_side_by_side_ttft_ratio_passes_at_most_0_8() -> None:
+    rep = _bench("side_by_side_report")
+    vs = rep.verdicts([_res("kvbridge", [50, 8, 8]), _res("nixl", [50, 10, 10])])
+    assert _verdict(vs, "steady decode TTFT") == "PASS"
+    vs = rep.verdicts([_res("kvbridge", [50, 9, 9]), _res("nixl", [50, 10, 10])])
+    assert _verdict(vs, "steady decode TTFT") == "FAIL"
+    assert _verdict(vs, "first-request overhead", "kvbridge") == "PASS"  # 41 ms < 60 ms
+
+
+def test_side_by_side_round_without_bytes_fails_and_a_failed_pair_is_na() -> None:
+    rep = _bench("side_by_side_report")
+    a = _res("kvbridge", [50, 8, 8])
+    a["rounds"][2]["bytes"] = 0.0
+    vs = rep.verdicts([a, _res("nixl", [], failed="round 0: stalled")])
+    assert _verdict(vs, "KV moved", "kvbridge") == "FAIL"
+    assert _verdict(vs, "run", "nixl") == "FAIL"
+    assert _verdict(vs, "steady decode TTFT") == "n/a"
+
+
+def test_serving_kv_check_needs_bytes_and_no_failures() -> None:
+    srv = _bench("bench_serving")
+    names = srv.KV_METRICS["pull"]
+    ok = srv.kv_check("pull", {names[0]: 10.0}, {names[0]: 5000.0, names[1]: 3.0})
+    assert ok["kv"].startswith("PASS") and ok["kv_bytes"] == 4990.0
+    assert srv.kv_check("pull", {names[0]: 10.0}, {names[0]: 10.0})["kv"].startswith("FAIL")
+    failed = srv.kv_check("nixl", {}, {srv.KV_METRICS["nixl"][0]: 1.0, srv.KV_METRICS["nixl"][2][0]: 1.0})
+    assert failed["kv"].startswith("FAIL")
+    assert srv.kv_check("single", {}, {})["kv"].startswith("n/a")
