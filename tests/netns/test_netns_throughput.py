@@ -29,15 +29,16 @@ def iperf3_gbps(sender, receiver, streams: int) -> float:
     server = receiver.popen("iperf3", "-s", "-1", "-B", receiver.address, "-p", "5201",
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        for _ in range(50):  # the server is listening once a client can connect
-            out = sender.run("iperf3", "-c", receiver.address, "-p", "5201", "-t", str(IPERF_SECONDS),
-                             "-P", str(streams), "-J", timeout=IPERF_SECONDS + 30, check=False)
-            if out.returncode == 0:
+        for _ in range(100):  # until the server listens
+            if receiver.run("ss", "-Hltn", "sport = :5201").stdout.strip():
                 break
-            time.sleep(0.1)
-        else:
-            raise AssertionError(f"iperf3 client failed: {out.stdout[-500:]} {out.stderr[-500:]}")
-        return json.loads(out.stdout)["end"]["sum_received"]["bits_per_second"] / 8e9
+            time.sleep(0.05)
+        out = sender.run("iperf3", "-c", receiver.address, "-p", "5201", "-t", str(IPERF_SECONDS),
+                         "-P", str(streams), "-J", timeout=IPERF_SECONDS + 30, check=False)
+        report = json.loads(out.stdout or "{}")
+        if out.returncode != 0 or "error" in report or "sum_received" not in report.get("end", {}):
+            raise AssertionError(f"iperf3 failed ({out.returncode}): {report.get('error')} {out.stderr[-300:]}")
+        return report["end"]["sum_received"]["bits_per_second"] / 8e9
     finally:
         server.kill()
         server.wait(10)
