@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 PREFIX = "kvbn"
 SUBNET = "10.77.0"  # host i: 10.77.0.(i + 1)/24
 DEV = "eth0"  # each host's link to the switch (the same name in every namespace)
-_NAME = re.compile(rf"^{PREFIX}(\d+)-")
+_NAME = re.compile(rf"^{PREFIX}(\d+)[a-z]*-")
 _CLONE_NEWNET = 0x40000000
 
 
@@ -157,13 +157,16 @@ def remove_leftovers() -> list[str]:
     return gone
 
 
-def create_network(n: int = 2) -> Network:
-    """``n`` hosts (``kvbn<pid>-h<i>``, address 10.77.0.<i + 1>) on a bridge in a switch
-    namespace. Raises :class:`NetnsUnavailable` when namespaces cannot be made."""
+def create_network(n: int = 2, tag: str = "") -> Network:
+    """``n`` hosts (``kvbn<pid><tag>-h<i>``, address 10.77.0.<i + 1>) on a bridge in a switch
+    namespace; ``tag`` (lowercase letters) tells apart networks of one process. Raises
+    :class:`NetnsUnavailable` when namespaces cannot be made."""
+    if not re.fullmatch("[a-z]*", tag):
+        raise ValueError(f"tag must be lowercase letters, got {tag!r}")
     reason = unavailable_reason()
     if reason is not None:
         raise NetnsUnavailable(reason)
-    base = f"{PREFIX}{os.getpid()}"
+    base = f"{PREFIX}{os.getpid()}{tag}"
     net = Network([], f"{base}-sw")
     try:
         for ns in (net.switch, *(f"{base}-h{i}" for i in range(n))):
