@@ -12,7 +12,7 @@ import pathlib
 import nox
 
 nox.options.default_venv_backend = "uv"
-nox.options.sessions = ["lint", "tests", "integration", "soak", "isolation", "isolation_router",
+nox.options.sessions = ["lint", "tests", "integration", "netns", "soak", "isolation", "isolation_router",
                         "isolation_nixl", "e2e"]
 nox.options.error_on_missing_interpreters = True
 
@@ -43,10 +43,21 @@ def tests(session: nox.Session, package: str) -> None:
 
 @nox.session(python=False)
 def integration(session: nox.Session) -> None:
-    """Cross-package multi-process tests (top-level tests/, without the vLLM e2e suite)."""
+    """Cross-package multi-process tests (top-level tests/, without the vLLM e2e suite and the
+    namespace hosts: sessions of their own)."""
     if not any((ROOT / "tests").glob("test_*.py")):
         session.skip("no cross-package tests yet")
-    _uv_run(session, "pytest", "tests", "-q", "--ignore=tests/e2e", *session.posargs)
+    _uv_run(session, "pytest", "tests", "-q", "--ignore=tests/e2e", "--ignore=tests/netns", *session.posargs)
+
+
+@nox.session(python=False)
+def netns(session: nox.Session) -> None:
+    """Prefill and decode engines on two hosts made of network namespaces (tests/netns): UCX
+    over TCP on a veth link (no shared memory, no CMA), a link taken down and back, and the
+    throughput next to iperf3 on the same link (printed). About 1.5 minutes; needs root and
+    iproute2 (skipped otherwise, with the reason), iperf3 for the baseline
+    (`apt-get install -y iperf3`; that test skips without it)."""
+    _uv_run(session, "pytest", str(ROOT / "tests" / "netns"), "-q", "-rP", *session.posargs)
 
 
 @nox.session(python=False)

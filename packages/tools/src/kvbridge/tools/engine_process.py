@@ -31,14 +31,16 @@ def per_group(spec: EngineSpec, blocks) -> BlockIds:
 
 
 def child_main(conn: Connection, role: str, spec: EngineSpec, ranks: list[int], num_blocks: int,
-           config: EngineConfig, incarnation: str, serve_first: bool) -> None:
+           config: EngineConfig, incarnation: str, serve_first: bool, host: str = "127.0.0.1") -> None:
+    """The process's loop; the first process of an engine (``serve_first``) serves the
+    engine's metadata on ``host`` (an address of this process's network namespace)."""
     import logging
 
     logging.basicConfig(level=os.environ.get("KVBRIDGE_LOG", "WARNING"))
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # NIXL logs INFO lines to stdout otherwise
     try:
-        _child_loop(conn, role, spec, ranks, num_blocks, config, incarnation, serve_first)
+        _child_loop(conn, role, spec, ranks, num_blocks, config, incarnation, serve_first, host)
     except Exception:
         try:
             conn.send(("crash", traceback.format_exc()))
@@ -46,10 +48,10 @@ def child_main(conn: Connection, role: str, spec: EngineSpec, ranks: list[int], 
             pass
 
 
-def _child_loop(conn, role, spec, ranks, num_blocks, config, incarnation, serve_first) -> None:
+def _child_loop(conn, role, spec, ranks, num_blocks, config, incarnation, serve_first, host) -> None:
     torch.set_num_threads(1)
     local = LocalRanks.start(role, spec, ranks, num_blocks, config, incarnation=incarnation,
-                             serve=serve_first)
+                             serve=serve_first, host=host)
     caches, engines, server = local.caches, local.engines, local.server
     if server is not None:
         conn.send(("ready", server.host, server.port, None))

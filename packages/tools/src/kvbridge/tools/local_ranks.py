@@ -45,10 +45,10 @@ class LocalRanks:
     @classmethod
     def start(cls, role: str, spec: EngineSpec, ranks: Iterable[int], num_blocks: int,
               config: EngineConfig, *, incarnation: str | None = None, serve: bool = True,
-              port: int = 0) -> LocalRanks:
+              host: str = "127.0.0.1", port: int = 0) -> LocalRanks:
         """Allocate ``num_blocks`` blocks per rank (kernel-split engines: their kernel blocks),
         build a prefill (``role="p"``) or decode (``"d"``) engine per rank and, with ``serve``,
-        serve every rank's metadata on one server on 127.0.0.1 (``port`` 0: a free one)."""
+        serve every rank's metadata on one server on ``host`` (``port`` 0: a free one)."""
         ranks = list(ranks)
         engine_cls = PrefillEngine if role == "p" else DecodeEngine
         n = spec.kernel_blocks_per_block
@@ -63,7 +63,7 @@ class LocalRanks:
             for r in ranks:
                 out.engines[r] = engine_cls(spec, r, caches[r].cache_regions(spec), config, incarnation=inc)
             if serve:
-                out.server = out.engines[ranks[0]].serve(port=port)
+                out.server = out.engines[ranks[0]].serve(host=host, port=port)
                 for r in ranks[1:]:
                     out.engines[r].serve(out.server)
         except BaseException:
