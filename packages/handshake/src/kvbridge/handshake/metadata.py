@@ -24,6 +24,7 @@ from kvbridge.topology import (
 )
 
 from .errors import InvalidMetadata
+from .wire import Decoder
 
 MEMORY_TYPES = ("DRAM", "VRAM")
 _U64 = 1 << 64
@@ -310,7 +311,7 @@ def check_metadata(md: AgentMetadata) -> AgentMetadata:
 
 
 _ENCODER = msgspec.msgpack.Encoder()
-_DECODER = msgspec.msgpack.Decoder(AgentMetadata)
+_DECODER = Decoder(AgentMetadata)
 
 
 def encode_metadata(md: AgentMetadata) -> bytes:
@@ -321,6 +322,7 @@ def encode_metadata(md: AgentMetadata) -> bytes:
 def decode_metadata(data: bytes) -> AgentMetadata:
     """Decode and type-check (not consistency-check) one AgentMetadata.
 
-    Raises ``msgspec.DecodeError`` / ``msgspec.ValidationError``.
+    Raises ``msgspec.DecodeError`` (``msgspec.ValidationError`` for wrong types) for any
+    bytes that do not decode, invalid UTF-8 and deep nesting included.
     """
     return _DECODER.decode(data)
