@@ -403,22 +403,15 @@ def print_table(reports: list[LaneReport], wall_s: float) -> None:
     print("\n".join(out), flush=True)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--requests", type=int, default=600, help="requests in all (split between lanes)")
-    ap.add_argument("--seed", type=int, default=12)
-    ap.add_argument("--lanes", default="pull,push")
-    ap.add_argument("--checkpoint", type=int, default=None,
-                    help="request from which resources must stay flat (default: 1000, or a third "
-                         "of a lane's requests for short runs)")
-    args = ap.parse_args(argv)
+def run_once(args: argparse.Namespace, seed: int) -> bool:
+    """One soak run with ``seed`` (lane ``i`` uses ``seed + i``); prints its table, True when it passed."""
     lanes = args.lanes.split(",")
     per_lane = max(WAVE * 4, args.requests // len(lanes))
     cp = args.checkpoint or min(1000, per_lane // 3)
     t0 = time.monotonic()
     reports, failure = [], None
     for i, name in enumerate(lanes):
-        lane = Lane(name, per_lane, args.seed + i, cp)
+        lane = Lane(name, per_lane, seed + i, cp)
         try:
             reports.append(lane.run())
         except SoakFailure as exc:
@@ -427,10 +420,39 @@ def main(argv: list[str] | None = None) -> int:
             break
     print_table(reports, time.monotonic() - t0)
     if failure is not None:
-        print(f"SOAK FAILED: {failure}", file=sys.stderr)
-        return 1
-    print("soak passed: every requirement held")
-    return 0
+        print(f"SOAK FAILED (seed {seed}): {failure}", file=sys.stderr, flush=True)
+        return False
+    print(f"soak passed (seed {seed}): every requirement held", flush=True)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--requests", type=int, default=600, help="requests in all (split between lanes)")
+    ap.add_argument("--seed", type=int, default=12)
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="run the soak this many times, run k with seed SEED + 100*k, and fail if "
+                         "any run fails (every run is run; the failed seeds are listed at the end)")
+    ap.add_argument("--lanes", default="pull,push")
+    ap.add_argument("--checkpoint", type=int, default=None,
+                    help="request from which resources must stay flat (default: 1000, or a third "
+                         "of a lane's requests for short runs)")
+    args = ap.parse_args(argv)
+    if args.repeat < 1:
+        ap.error("--repeat must be at least 1")
+    t0 = time.monotonic()
+    failed = []
+    for k in range(args.repeat):
+        seed = args.seed + 100 * k
+        if args.repeat > 1:
+            print(f"\n## soak run {k + 1} of {args.repeat}, seed {seed}\n", flush=True)
+        if not run_once(args, seed):
+            failed.append(seed)
+    if args.repeat > 1:
+        print(f"\n{args.repeat - len(failed)} of {args.repeat} soak runs passed in "
+              f"{time.monotonic() - t0:.0f} s" + (f"; failed seeds: {failed}" if failed else ""),
+              flush=True)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
