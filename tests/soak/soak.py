@@ -40,6 +40,8 @@ WAVE = 8  # requests posted together
 NUM_BLOCKS = 48
 RSS_TOL_KIB = 4096
 RELEASE_REASONS = {"notified", "lease-expired", "written", "push-failed"}
+#: sockets a process keeps per peer agent that died: one per UCX worker thread (probes.py)
+LEFT_PER_PEER = CONFIG["agent"].num_threads
 
 
 class SoakFailure(AssertionError):
@@ -348,9 +350,9 @@ class Lane:
             first = s.points[0][0]
             if pid in live and first <= self.checkpoint:  # survived from the checkpoint to the end
                 rep.survivors.append(s.label)
-                rep.problems += flatness_problems(s, self.checkpoint, RSS_TOL_KIB)
+                rep.problems += flatness_problems(s, self.checkpoint, RSS_TOL_KIB, LEFT_PER_PEER)
             elif len(s.points) >= 3:  # a restarted incarnation: flat from its second sample on
-                rep.problems += flatness_problems(s, s.points[1][0], RSS_TOL_KIB)
+                rep.problems += flatness_problems(s, s.points[1][0], RSS_TOL_KIB, LEFT_PER_PEER)
         if rep.problems:
             self.fail("resources not flat:\n  " + "\n  ".join(rep.problems))
 
