@@ -39,6 +39,9 @@ LANES = {  # heterogeneous TP both ways, one process per rank
 WAVE = 8  # requests posted together
 NUM_BLOCKS = 48
 RSS_TOL_KIB = 4096
+#: faults after which a probe waits for the survivors' connections to settle (probe_all)
+DEPARTING = {F.KILL_PREFILL_RANK, F.RESTART_PREFILL, F.KILL_DECODE_RANK}
+SETTLE_S = 3.0
 RELEASE_REASONS = {"notified", "lease-expired", "written", "push-failed"}
 #: sockets a process keeps per peer agent that died: one per UCX worker thread (probes.py)
 LEFT_PER_PEER = CONFIG["agent"].num_threads
@@ -295,17 +298,39 @@ class Lane:
                     self.fail(f"forged notifications not all refused (rank: refused, sent): {short}")
                 self.cluster.drain(0.2)
 
-    def probe_all(self, done_requests: int) -> None:
-        c = self.cluster
-        for grp in (c.prefill, c.decode):
-            stats = c.rank_stats(grp)
+    def _probe_once(self) -> dict[int, tuple]:
+        """pid -> (label, /proc sample, handle counts, group, rank) of every live process."""
+        out = {}
+        for grp in (self.cluster.prefill, self.cluster.decode):
+            stats = self.cluster.rank_stats(grp)
             for i, pid in enumerate(grp.pids):
                 rank = grp.groups[i][0]
-                s = self.report.series.setdefault(pid, Series(self.labels[pid], pid))
-                s.add(done_requests, probe(pid), stats[rank][1], self.departed[pid])
-                if grp.role == "p" and stats[rank][0].requests_released != self.held_by[id(grp)]:
-                    self.fail(f"{self.labels[pid]} released {stats[rank][0].requests_released} of "
-                              f"{self.held_by[id(grp)]} requests it held")
+                out[pid] = (probe(pid), stats[rank], grp)
+        return out
+
+    def probe_all(self, done_requests: int, settle: bool = False) -> None:
+        """Sample every live process. ``settle``: an engine was killed or restarted in the last
+        two waves; the connections to its processes close asynchronously (the survivor's UCX
+        worker notices the broken connection, the side-channel client's ZMQ I/O thread closes
+        its sockets), so sample until fds and sockets read the same twice 0.25 s apart (at
+        most :data:`SETTLE_S`)."""
+        now = self._probe_once()
+        end = time.monotonic() + (SETTLE_S if settle else 0.0)
+        while time.monotonic() < end:
+            self.cluster.drain(0.25)
+            again = self._probe_once()
+            same = again.keys() == now.keys() and all(
+                (a[0].fds, a[0].sockets) == (now[pid][0].fds, now[pid][0].sockets)
+                for pid, a in again.items())
+            now = again
+            if same:
+                break
+        for pid, (sample, (st, handles), grp) in now.items():
+            s = self.report.series.setdefault(pid, Series(self.labels[pid], pid))
+            s.add(done_requests, sample, handles, self.departed[pid])
+            if grp.role == "p" and st.requests_released != self.held_by[id(grp)]:
+                self.fail(f"{self.labels[pid]} released {st.requests_released} of "
+                          f"{self.held_by[id(grp)]} requests it held")
 
     # ----- the run -----------------------------------------------------------
     def run(self) -> LaneReport:
@@ -326,7 +351,8 @@ class Lane:
                 done = (w + 1) * WAVE
                 if w == 0 or w % probe_every == 0 or w == self.waves - 1 or \
                         (done >= self.checkpoint > done - WAVE):
-                    self.probe_all(min(done, self.requests))
+                    recent = self.plan.get(w, []) + self.plan.get(w - 1, [])
+                    self.probe_all(min(done, self.requests), settle=bool(DEPARTING & set(recent)))
             if c.duplicates:
                 self.fail(f"ranks reported requests twice: {c.duplicates[:5]}")
             lost = [r.rid for r in self.reqs.values() if r.outcome is None]
