@@ -172,8 +172,11 @@ class AgentMetadata(msgspec.Struct, frozen=True, kw_only=True):
 def _value_problem(md: AgentMetadata) -> str | None:
     """The first field of ``md`` outside the bounds of its type (None: all within)."""
     try:
-        msgspec.convert(msgspec.to_builtins(md, builtin_types=(bytes,)), AgentMetadata,
-                        builtin_types=(bytes,))
+        fields = msgspec.to_builtins(md, builtin_types=(bytes,))
+    except TypeError as exc:  # a value msgpack cannot carry (a numpy integer, an object)
+        return f"a field holds a value that cannot be sent: {exc}"
+    try:
+        msgspec.convert(fields, AgentMetadata, builtin_types=(bytes,))
     except msgspec.ValidationError as exc:
         text = str(exc)
         name = text.rsplit("`$.", 1)[-1].split("`")[0].split("[")[0] if "`$." in text else ""
