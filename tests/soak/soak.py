@@ -98,6 +98,9 @@ class Lane:
         self.held_by: Counter = Counter()  # prefill group -> requests held
         self.dead: set[int] = set()  # id() of groups that were killed
         self.departed: Counter = Counter()  # pid -> peer agents that connected to it and went away
+        self.group_of: dict[int, int] = {}  # pid -> id() of its engine group
+        #: id() of an engine group -> requests finished when it first completed one ("done")
+        self.first_done: dict[int, int] = {}
         waves = -(-requests // WAVE)
         self.waves = waves
         per = max(1, requests // 1000)
@@ -118,6 +121,7 @@ class Lane:
         role = "prefill" if grp.role == "p" else "decode"
         for i, pid in enumerate(grp.pids):
             self.labels[pid] = f"{self.name} {role}#{n} rank {grp.groups[i][0]} (pid {pid})"
+            self.group_of[pid] = id(grp)
 
     def _restart(self, role: str) -> None:
         c = self.cluster
@@ -261,6 +265,9 @@ class Lane:
                         self.fail(f"{r.rid} done with mismatching or unverified bytes: {res.done}")
                     r.outcome = "done"
                     rep.bytes_verified += dtp * r.ntok * per_token
+                    ended = min(self.requests, int(r.rid.rsplit("-", 1)[1]) // WAVE * WAVE + WAVE)
+                    for grp in (r.prefill, r.decode):
+                        self.first_done.setdefault(id(grp), ended)
             rep.outcomes[r.outcome] += 1
             if id(r.prefill) not in self.dead:
                 if set(res.released) != set(range(r.prefill.spec.tp_size)):
@@ -377,8 +384,13 @@ class Lane:
             if pid in live and first <= self.checkpoint:  # survived from the checkpoint to the end
                 rep.survivors.append(s.label)
                 rep.problems += flatness_problems(s, self.checkpoint, RSS_TOL_KIB, LEFT_PER_PEER)
-            elif len(s.points) >= 3:  # a restarted incarnation: flat from its second sample on
-                rep.problems += flatness_problems(s, s.points[1][0], RSS_TOL_KIB, LEFT_PER_PEER)
+            elif len(s.points) >= 3:
+                # a restarted incarnation: flat from its second sample on, and from the first one
+                # after it completed a request (connected to its current peer engine: a process
+                # whose first peer died before it completed anything is not in its steady state)
+                start = max(s.points[1][0], self.first_done.get(self.group_of[pid], 1 << 62))
+                if len(s.window(start)) >= 2:
+                    rep.problems += flatness_problems(s, start, RSS_TOL_KIB, LEFT_PER_PEER)
         if rep.problems:
             self.fail("resources not flat:\n  " + "\n  ".join(rep.problems))
 
