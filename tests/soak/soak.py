@@ -79,6 +79,7 @@ class LaneReport:
     survivors: list[str] = field(default_factory=list)
     checkpoint: int = 0
     wall_s: float = 0.0
+    restarted_checked: int = 0
 
 
 class Lane:
@@ -390,6 +391,7 @@ class Lane:
                 # whose first peer died before it completed anything is not in its steady state)
                 start = max(s.points[1][0], self.first_done.get(self.group_of[pid], 1 << 62))
                 if len(s.window(start)) >= 2:
+                    rep.restarted_checked += 1
                     rep.problems += flatness_problems(s, start, RSS_TOL_KIB, LEFT_PER_PEER)
         if rep.problems:
             self.fail("resources not flat:\n  " + "\n  ".join(rep.problems))
@@ -438,7 +440,8 @@ def print_table(reports: list[LaneReport], wall_s: float) -> None:
             out.append(f"| {s.label} | {n0} -> {n1} | {_mib(a['rss_kib'])} -> {_mib(b['rss_kib'])} | "
                        f"{cells} |")
         restarted = [s for s in rep.series.values() if s.label not in rep.survivors]
-        out.append(f"\n{len(restarted)} restarted processes had their own windows checked.\n")
+        out.append(f"\n{len(restarted)} restarted processes, {rep.restarted_checked} with windows of "
+                   "2 probes or more, which were checked.\n")
     out.append(f"total wall time {wall_s:.0f} s")
     print("\n".join(out), flush=True)
 
