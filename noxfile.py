@@ -63,7 +63,8 @@ def netns(session: nox.Session) -> None:
 @nox.session(python=False)
 def soak(session: nox.Session) -> None:
     """Engines under random faults (tests/soak/soak.py): 600 requests by default, about a
-    minute; the full run is `uv run nox -s soak -- --requests 10000`."""
+    minute; the full run is `uv run nox -s soak -- --requests 10000`; `-- --repeat 20` runs it
+    20 times with different seeds and fails if any run does."""
     _uv_run(session, "python", str(ROOT / "tests" / "soak" / "soak.py"), *session.posargs)
 
 

@@ -13,9 +13,10 @@ from dataclasses import dataclass, field
 
 #: counts that must stay within a fixed bound from the checkpoint on
 EXACT = ("threads", "fds", "sockets", "transfers", "lists", "remote_agents", "peers")
-#: counts allowed one more per peer agent whose process died: NIXL's UCX backend leaves the
-#: TCP socket of such an agent's endpoint open (CLOSE-WAIT) after the agent is removed
-#: (upstream ai-dynamo/nixl#2025), so each departed peer costs this process one socket
+#: counts allowed ``AgentConfig.num_threads`` more per peer agent whose process died (killed or
+#: closed): each of the UCX backend's dedicated worker threads keeps its TCP socket to such an
+#: agent open (CLOSE-WAIT) after the agent is removed, since nothing progresses that worker's
+#: endpoint again (upstream ai-dynamo/nixl#2025; none with ``num_threads=0``)
 PER_DEPARTED_PEER = ("fds", "sockets")
 
 
@@ -68,14 +69,17 @@ class Series:
         return [p for p in self.points if p[0] >= start]
 
 
-def flatness_problems(series: Series, start: int, rss_tol_kib: int) -> list[str]:
+def flatness_problems(series: Series, start: int, rss_tol_kib: int,
+                      per_departed_peer: int = 1) -> list[str]:
     """Why ``series`` is not flat from request ``start`` on (empty: it is).
 
     Flat: every exact count (:data:`EXACT`) at every sample from the first one at
     or after ``start`` on is at most the highest value it had up to that first
     sample (the steady state the process reached: a peer known, its lists
-    prepared), plus, for :data:`PER_DEPARTED_PEER`, one per peer that departed
-    since; resident memory at the last sample
+    prepared). :data:`PER_DEPARTED_PEER` counts are compared less
+    ``per_departed_peer`` per peer that had departed by each sample (the sockets
+    such a peer leaves behind, see above): a peer that died before ``start`` and
+    whose replacement connected after it costs nothing more. Resident memory at the last sample
     is at most ``rss_tol_kib`` above the first, and its least-squares trend over
     the window, extrapolated over the window, is below the same tolerance
     (noise up and down passes, a steady climb does not).
@@ -89,12 +93,16 @@ def flatness_problems(series: Series, start: int, rss_tol_kib: int) -> list[str]
     for key in EXACT:
         if key not in base:
             continue
-        bound = max(c[key] for c in before)
-        over = [(n, c[key]) for n, c in pts
-                if c[key] > bound + (c["departed"] - base["departed"] if key in PER_DEPARTED_PEER else 0)]
+        left = per_departed_peer if key in PER_DEPARTED_PEER else 0
+
+        def own(c: dict[str, int], key: str = key, left: int = left) -> int:
+            return c[key] - left * c["departed"]
+
+        bound = max(own(c) for c in before)
+        over = [(n, c[key], c["departed"]) for n, c in pts if own(c) > bound]
         if over:
-            out.append(f"{series.label}: {key} at most {bound} up to request {n0} (+1 per departed "
-                       f"peer for fds/sockets), then {over[:4]} (request, value)")
+            out.append(f"{series.label}: {key} at most {bound} up to request {n0} (less "
+                       f"{left} per departed peer), then {over[:4]} (request, value, departed)")
     rss = [(n, c["rss_kib"]) for n, c in pts]
     growth = rss[-1][1] - rss[0][1]
     if growth > rss_tol_kib:

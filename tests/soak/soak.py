@@ -40,7 +40,12 @@ LANES = {  # heterogeneous TP both ways, one process per rank
 WAVE = 8  # requests posted together
 NUM_BLOCKS = 48
 RSS_TOL_KIB = 4096
+#: faults after which a probe waits for the survivors' connections to settle (probe_all)
+DEPARTING = {F.KILL_PREFILL_RANK, F.RESTART_PREFILL, F.KILL_DECODE_RANK}
+SETTLE_S = 3.0
 RELEASE_REASONS = {"notified", "lease-expired", "written", "push-failed"}
+#: sockets a process keeps per peer agent that died: one per UCX worker thread (probes.py)
+LEFT_PER_PEER = CONFIG["agent"].num_threads
 
 
 class SoakFailure(AssertionError):
@@ -75,6 +80,7 @@ class LaneReport:
     survivors: list[str] = field(default_factory=list)
     checkpoint: int = 0
     wall_s: float = 0.0
+    restarted_checked: int = 0
 
 
 class Lane:
@@ -94,6 +100,9 @@ class Lane:
         self.held_by: Counter = Counter()  # prefill group -> requests held
         self.dead: set[int] = set()  # id() of groups that were killed
         self.departed: Counter = Counter()  # pid -> peer agents that connected to it and went away
+        self.group_of: dict[int, int] = {}  # pid -> id() of its engine group
+        #: id() of an engine group -> requests finished when it first completed one ("done")
+        self.first_done: dict[int, int] = {}
         waves = -(-requests // WAVE)
         self.waves = waves
         per = max(1, requests // 1000)
@@ -114,6 +123,7 @@ class Lane:
         role = "prefill" if grp.role == "p" else "decode"
         for i, pid in enumerate(grp.pids):
             self.labels[pid] = f"{self.name} {role}#{n} rank {grp.groups[i][0]} (pid {pid})"
+            self.group_of[pid] = id(grp)
 
     def _restart(self, role: str) -> None:
         c = self.cluster
@@ -257,6 +267,9 @@ class Lane:
                         self.fail(f"{r.rid} done with mismatching or unverified bytes: {res.done}")
                     r.outcome = "done"
                     rep.bytes_verified += dtp * r.ntok * per_token
+                    ended = min(self.requests, int(r.rid.rsplit("-", 1)[1]) // WAVE * WAVE + WAVE)
+                    for grp in (r.prefill, r.decode):
+                        self.first_done.setdefault(id(grp), ended)
             rep.outcomes[r.outcome] += 1
             if id(r.prefill) not in self.dead:
                 if set(res.released) != set(range(r.prefill.spec.tp_size)):
@@ -294,17 +307,39 @@ class Lane:
                     self.fail(f"forged notifications not all refused (rank: refused, sent): {short}")
                 self.cluster.drain(0.2)
 
-    def probe_all(self, done_requests: int) -> None:
-        c = self.cluster
-        for grp in (c.prefill, c.decode):
-            stats = c.rank_stats(grp)
+    def _probe_once(self) -> dict[int, tuple]:
+        """pid -> (label, /proc sample, handle counts, group, rank) of every live process."""
+        out = {}
+        for grp in (self.cluster.prefill, self.cluster.decode):
+            stats = self.cluster.rank_stats(grp)
             for i, pid in enumerate(grp.pids):
                 rank = grp.groups[i][0]
-                s = self.report.series.setdefault(pid, Series(self.labels[pid], pid))
-                s.add(done_requests, probe(pid), stats[rank][1], self.departed[pid])
-                if grp.role == "p" and stats[rank][0].requests_released != self.held_by[id(grp)]:
-                    self.fail(f"{self.labels[pid]} released {stats[rank][0].requests_released} of "
-                              f"{self.held_by[id(grp)]} requests it held")
+                out[pid] = (probe(pid), stats[rank], grp)
+        return out
+
+    def probe_all(self, done_requests: int, settle: bool = False) -> None:
+        """Sample every live process. ``settle``: an engine was killed or restarted in the last
+        two waves; the connections to its processes close asynchronously (the survivor's UCX
+        worker notices the broken connection, the side-channel client's ZMQ I/O thread closes
+        its sockets), so sample until fds and sockets read the same twice 0.25 s apart (at
+        most :data:`SETTLE_S`)."""
+        now = self._probe_once()
+        end = time.monotonic() + (SETTLE_S if settle else 0.0)
+        while time.monotonic() < end:
+            self.cluster.drain(0.25)
+            again = self._probe_once()
+            same = again.keys() == now.keys() and all(
+                (a[0].fds, a[0].sockets) == (now[pid][0].fds, now[pid][0].sockets)
+                for pid, a in again.items())
+            now = again
+            if same:
+                break
+        for pid, (sample, (st, handles), grp) in now.items():
+            s = self.report.series.setdefault(pid, Series(self.labels[pid], pid))
+            s.add(done_requests, sample, handles, self.departed[pid])
+            if grp.role == "p" and st.requests_released != self.held_by[id(grp)]:
+                self.fail(f"{self.labels[pid]} released {st.requests_released} of "
+                          f"{self.held_by[id(grp)]} requests it held")
 
     # ----- the run -----------------------------------------------------------
     def run(self) -> LaneReport:
@@ -325,7 +360,8 @@ class Lane:
                 done = (w + 1) * WAVE
                 if w == 0 or w % probe_every == 0 or w == self.waves - 1 or \
                         (done >= self.checkpoint > done - WAVE):
-                    self.probe_all(min(done, self.requests))
+                    recent = self.plan.get(w, []) + self.plan.get(w - 1, [])
+                    self.probe_all(min(done, self.requests), settle=bool(DEPARTING & set(recent)))
             if c.duplicates:
                 self.fail(f"ranks reported requests twice: {c.duplicates[:5]}")
             lost = [r.rid for r in self.reqs.values() if r.outcome is None]
@@ -349,9 +385,15 @@ class Lane:
             first = s.points[0][0]
             if pid in live and first <= self.checkpoint:  # survived from the checkpoint to the end
                 rep.survivors.append(s.label)
-                rep.problems += flatness_problems(s, self.checkpoint, RSS_TOL_KIB)
-            elif len(s.points) >= 3:  # a restarted incarnation: flat from its second sample on
-                rep.problems += flatness_problems(s, s.points[1][0], RSS_TOL_KIB)
+                rep.problems += flatness_problems(s, self.checkpoint, RSS_TOL_KIB, LEFT_PER_PEER)
+            elif len(s.points) >= 3:
+                # a restarted incarnation: flat from its second sample on, and from the first one
+                # after it completed a request (connected to its current peer engine: a process
+                # whose first peer died before it completed anything is not in its steady state)
+                start = max(s.points[1][0], self.first_done.get(self.group_of[pid], 1 << 62))
+                if len(s.window(start)) >= 2:
+                    rep.restarted_checked += 1
+                    rep.problems += flatness_problems(s, start, RSS_TOL_KIB, LEFT_PER_PEER)
         if rep.problems:
             self.fail("resources not flat:\n  " + "\n  ".join(rep.problems))
 
@@ -399,27 +441,21 @@ def print_table(reports: list[LaneReport], wall_s: float) -> None:
             out.append(f"| {s.label} | {n0} -> {n1} | {_mib(a['rss_kib'])} -> {_mib(b['rss_kib'])} | "
                        f"{cells} |")
         restarted = [s for s in rep.series.values() if s.label not in rep.survivors]
-        out.append(f"\n{len(restarted)} restarted processes had their own windows checked.\n")
+        out.append(f"\n{len(restarted)} restarted processes, {rep.restarted_checked} with windows of "
+                   "2 probes or more, which were checked.\n")
     out.append(f"total wall time {wall_s:.0f} s")
     print("\n".join(out), flush=True)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--requests", type=int, default=600, help="requests in all (split between lanes)")
-    ap.add_argument("--seed", type=int, default=12)
-    ap.add_argument("--lanes", default="pull,push")
-    ap.add_argument("--checkpoint", type=int, default=None,
-                    help="request from which resources must stay flat (default: 1000, or a third "
-                         "of a lane's requests for short runs)")
-    args = ap.parse_args(argv)
+def run_once(args: argparse.Namespace, seed: int) -> bool:
+    """One soak run with ``seed`` (lane ``i`` uses ``seed + i``); prints its table, True when it passed."""
     lanes = args.lanes.split(",")
     per_lane = max(WAVE * 4, args.requests // len(lanes))
     cp = args.checkpoint or min(1000, per_lane // 3)
     t0 = time.monotonic()
     reports, failure = [], None
     for i, name in enumerate(lanes):
-        lane = Lane(name, per_lane, args.seed + i, cp)
+        lane = Lane(name, per_lane, seed + i, cp)
         try:
             reports.append(lane.run())
         except SoakFailure as exc:
@@ -428,10 +464,39 @@ def main(argv: list[str] | None = None) -> int:
             break
     print_table(reports, time.monotonic() - t0)
     if failure is not None:
-        print(f"SOAK FAILED: {failure}", file=sys.stderr)
-        return 1
-    print("soak passed: every requirement held")
-    return 0
+        print(f"SOAK FAILED (seed {seed}): {failure}", file=sys.stderr, flush=True)
+        return False
+    print(f"soak passed (seed {seed}): every requirement held", flush=True)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--requests", type=int, default=600, help="requests in all (split between lanes)")
+    ap.add_argument("--seed", type=int, default=12)
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="run the soak this many times, run k with seed SEED + 100*k, and fail if "
+                         "any run fails (every run is run; the failed seeds are listed at the end)")
+    ap.add_argument("--lanes", default="pull,push")
+    ap.add_argument("--checkpoint", type=int, default=None,
+                    help="request from which resources must stay flat (default: 1000, or a third "
+                         "of a lane's requests for short runs)")
+    args = ap.parse_args(argv)
+    if args.repeat < 1:
+        ap.error("--repeat must be at least 1")
+    t0 = time.monotonic()
+    failed = []
+    for k in range(args.repeat):
+        seed = args.seed + 100 * k
+        if args.repeat > 1:
+            print(f"\n## soak run {k + 1} of {args.repeat}, seed {seed}\n", flush=True)
+        if not run_once(args, seed):
+            failed.append(seed)
+    if args.repeat > 1:
+        print(f"\n{args.repeat - len(failed)} of {args.repeat} soak runs passed in "
+              f"{time.monotonic() - t0:.0f} s" + (f"; failed seeds: {failed}" if failed else ""),
+              flush=True)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -48,6 +48,19 @@ def test_flatness_rule():
     assert flatness_problems(_series([(0, 1000, 40, 0, 4)]), 0, 1)  # too few samples says so
 
 
+def test_flatness_counts_what_departed_peers_leave_behind():
+    # two peers died before the window (their other sockets closed, one each left behind), and
+    # their replacements connected inside it: as many sockets as before, plus those two
+    late = _series([(0, 1000, 40, 0, 4), (100, 1000, 38, 2, 4), (200, 1000, 42, 2, 4)])
+    assert flatness_problems(late, 100, rss_tol_kib=512) == []
+    # with 2 UCX worker threads each departed peer leaves two
+    two = _series([(0, 1000, 40, 0, 4), (100, 1000, 40, 0, 4), (200, 1000, 44, 2, 4)])
+    assert flatness_problems(two, 100, rss_tol_kib=512, per_departed_peer=2) == []
+    assert any("fds" in p for p in flatness_problems(two, 100, rss_tol_kib=512))
+    # none with num_threads=0: every socket must go
+    assert any("fds" in p for p in flatness_problems(late, 100, rss_tol_kib=512, per_departed_peer=0))
+
+
 def test_probe_counts_this_process():
     before = probe(os.getpid())
     with socket.socket() as s1, socket.socket() as s2:

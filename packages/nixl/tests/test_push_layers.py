@@ -3,6 +3,7 @@ notifications that arrive before the decode side expects them; real NIXL, one pr
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import replace
 
@@ -212,3 +213,45 @@ def test_the_worker_thread_runs_on_the_cpus_it_was_given():
     finally:
         for p in built.values():
             p.close()
+
+
+def test_a_push_that_times_out_before_its_write_is_posted_leaves_no_handle():
+    """A push whose posting job still waits on the worker when it times out posts nothing
+    afterwards, and its blocks are released only once that job came back: a released push
+    never leaves a WRITE handle behind (the soak probes handles right after releases)."""
+    pair = Pair(replace(PUSH, transfer_timeout_s=0.3), p_spec=replace(P, num_layers=4),
+                d_spec=replace(D, num_layers=4))
+    pair.dec.serve()
+    gates = []
+    try:
+        _fill(pair, [2], seed=3)
+        pair.dec.expect("warm", "prefill", pair.p_spec.tp_size, "tok-warm", [1])
+        for e in pair.pre:
+            e.push("warm", [2], _target(pair, "warm", [1]))
+        pair.run(lambda d, f, r: d == ["warm"] and len(r) == len(pair.pre))
+        for e in pair.pre:  # hold each worker: the next posting job waits behind this one
+            gate = threading.Event()
+            gates.append(gate)
+            e._worker.submit(gate.wait)
+            e.push("late", [2], _target(pair, "late", [1]))
+        time.sleep(0.5)  # past the timeout
+        released = [r for e in pair.pre for r in e.poll()]
+        assert released == []  # timed out, but the posting job has not come back yet
+        assert all(e.held == 1 for e in pair.pre)
+        for gate in gates:
+            gate.set()
+        end = time.monotonic() + 10
+        while len(released) < len(pair.pre) and time.monotonic() < end:
+            for e in pair.pre:
+                got = e.poll()
+                if got:
+                    assert e.resource_counts()["transfers"] == 0  # nothing left at the release
+                released += got
+            time.sleep(0.002)
+        assert {(r.request_id, r.reason) for r in released} == {("late", "push-failed")}
+        assert len(released) == len(pair.pre)
+        assert all(e.held == 0 and e.stats.requests_released == 2 for e in pair.pre)
+    finally:
+        for gate in gates:
+            gate.set()
+        pair.close()

@@ -8,25 +8,54 @@ ignored by an older decoder.
 
 from __future__ import annotations
 
-import itertools
 import operator
+from typing import Annotated, Literal, TypeVar
 
 import msgspec
+import msgspec.inspect
 
 from kvbridge.topology import (
     CacheGroup,
     ConvLayout,
     EngineSpec,
-    GroupKind,
     HeadOrder,
     Layout,
     MambaSpec,
+    TopologyError,
 )
 
 from .errors import InvalidMetadata
+from .wire import Decoder
+
+_F = TypeVar("_F", bound=msgspec.Struct)
+_R = TypeVar("_R")
 
 MEMORY_TYPES = ("DRAM", "VRAM")
 _U64 = 1 << 64
+
+#: value types with the bounds the decoder checks (msgspec constraints)
+NonEmptyStr = Annotated[str, msgspec.Meta(min_length=1)]
+NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+Positive = Annotated[int, msgspec.Meta(gt=0)]
+Address = NonNegative  # (below 2**64 with its size: checked with the region)
+MemoryType = Literal["DRAM", "VRAM"]
+LayoutName = Literal[tuple(x.value for x in Layout)]  # type: ignore[valid-type]
+HeadOrderName = Literal[tuple(x.value for x in HeadOrder)]  # type: ignore[valid-type]
+
+
+def _facts(value: object, facts_type: type[_F]) -> _F:
+    """A topology record (frozen dataclass) as its wire form: the same fields, enums as
+    their string values."""
+    return msgspec.convert(msgspec.to_builtins(value), facts_type)
+
+
+def _record(facts: msgspec.Struct, record_type: type[_R]) -> _R:
+    """The topology record a wire form describes; raises TopologyError (the record's own
+    checks, or a field of the wrong type or value) when it describes none."""
+    try:
+        return msgspec.convert(facts, record_type, from_attributes=True)
+    except msgspec.ValidationError as exc:
+        raise TopologyError(str(exc)) from None
 
 
 class MambaSpecFacts(msgspec.Struct, frozen=True, kw_only=True):
@@ -43,29 +72,11 @@ class MambaSpecFacts(msgspec.Struct, frozen=True, kw_only=True):
 
     @classmethod
     def from_spec(cls, spec: MambaSpec) -> MambaSpecFacts:
-        return cls(
-            ssm_heads=spec.ssm_heads,
-            ssm_head_dim=spec.ssm_head_dim,
-            state_size=spec.state_size,
-            n_groups=spec.n_groups,
-            conv_width=spec.conv_width,
-            conv_dtype_size=spec.conv_dtype_size,
-            ssm_dtype_size=spec.ssm_dtype_size,
-            conv_layout=ConvLayout(spec.conv_layout).value,
-        )
+        return _facts(spec, cls)
 
     def to_spec(self) -> MambaSpec:
         """The topology value; raises TopologyError/ValueError when a field is invalid."""
-        return MambaSpec(
-            ssm_heads=self.ssm_heads,
-            ssm_head_dim=self.ssm_head_dim,
-            state_size=self.state_size,
-            n_groups=self.n_groups,
-            conv_width=self.conv_width,
-            conv_dtype_size=self.conv_dtype_size,
-            ssm_dtype_size=self.ssm_dtype_size,
-            conv_layout=ConvLayout(self.conv_layout),
-        )
+        return _record(self, MambaSpec)
 
 
 class CacheGroupFacts(msgspec.Struct, frozen=True, kw_only=True):
@@ -78,13 +89,11 @@ class CacheGroupFacts(msgspec.Struct, frozen=True, kw_only=True):
 
     @classmethod
     def from_group(cls, group: CacheGroup) -> CacheGroupFacts:
-        return cls(kind=GroupKind(group.kind).value, layers=tuple(group.layers),
-                   block_size=group.block_size, sliding_window=group.sliding_window)
+        return _facts(group, cls)
 
     def to_group(self) -> CacheGroup:
         """The topology value; raises TopologyError when a field is invalid."""
-        return CacheGroup(kind=self.kind, layers=tuple(self.layers), block_size=self.block_size,
-                          sliding_window=self.sliding_window)
+        return _record(self, CacheGroup)
 
 
 class EngineFacts(msgspec.Struct, frozen=True, kw_only=True):
@@ -114,45 +123,11 @@ class EngineFacts(msgspec.Struct, frozen=True, kw_only=True):
 
     @classmethod
     def from_spec(cls, spec: EngineSpec) -> EngineFacts:
-        return cls(
-            engine_id=spec.engine_id,
-            tp_size=spec.tp_size,
-            num_kv_heads=spec.num_kv_heads,
-            head_dim=spec.head_dim,
-            num_layers=spec.num_layers,
-            block_size=spec.block_size,
-            dtype=spec.dtype,
-            kernel_blocks_per_block=spec.kernel_blocks_per_block,
-            layout=Layout(spec.layout).value,
-            head_order=HeadOrder(spec.head_order).value,
-            use_mla=spec.use_mla,
-            mamba=None if spec.mamba is None else MambaSpecFacts.from_spec(spec.mamba),
-            cross_layer=spec.cross_layer,
-            block_bytes=spec.block_bytes,
-            extra=tuple((str(k), str(v)) for k, v in spec.extra),
-            groups=tuple(CacheGroupFacts.from_group(g) for g in spec.groups),
-        )
+        return _facts(spec, cls)
 
     def to_spec(self) -> EngineSpec:
         """The topology value; raises TopologyError/ValueError when the facts are invalid."""
-        return EngineSpec(
-            engine_id=self.engine_id,
-            tp_size=self.tp_size,
-            num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_dim,
-            num_layers=self.num_layers,
-            block_size=self.block_size,
-            dtype=self.dtype,
-            kernel_blocks_per_block=self.kernel_blocks_per_block,
-            layout=Layout(self.layout),
-            head_order=HeadOrder(self.head_order),
-            use_mla=self.use_mla,
-            mamba=None if self.mamba is None else self.mamba.to_spec(),
-            cross_layer=self.cross_layer,
-            block_bytes=self.block_bytes,
-            extra=tuple((k, v) for k, v in self.extra),
-            groups=tuple(g.to_group() for g in self.groups),
-        )
+        return _record(self, EngineSpec)
 
 
 class AgentMetadata(msgspec.Struct, frozen=True, kw_only=True):
@@ -164,25 +139,29 @@ class AgentMetadata(msgspec.Struct, frozen=True, kw_only=True):
     ``region_base_addrs[i]`` on device ``device_id`` and holds ``num_blocks``
     blocks of ``block_lens[i]`` bytes. Fields added in later versions must
     have defaults.
+
+    The field types carry the bounds of each value (checked when decoding, and by
+    :func:`metadata_problems` for a value built here); :func:`metadata_problems`
+    adds what relates several fields.
     """
 
-    engine_id: str
-    incarnation: str
-    rank: int
-    tp_size: int
-    agent_name: str
-    agent_metadata: bytes
-    memory_type: str
-    device_id: int
-    region_base_addrs: list[int]
-    region_sizes: list[int]
-    num_blocks: int
-    block_lens: list[int]
-    block_size: int
-    kernel_blocks_per_block: int
-    layout: str
-    head_order: str
-    attention_backend: str
+    engine_id: NonEmptyStr
+    incarnation: NonEmptyStr
+    rank: NonNegative
+    tp_size: Positive
+    agent_name: NonEmptyStr
+    agent_metadata: Annotated[bytes, msgspec.Meta(min_length=1)]
+    memory_type: MemoryType
+    device_id: NonNegative
+    region_base_addrs: list[Address]
+    region_sizes: list[Positive]
+    num_blocks: Positive
+    block_lens: list[Positive]
+    block_size: Positive
+    kernel_blocks_per_block: Positive
+    layout: LayoutName
+    head_order: HeadOrderName
+    attention_backend: NonEmptyStr
     engine: EngineFacts
 
     def spec(self) -> EngineSpec:
@@ -190,54 +169,37 @@ class AgentMetadata(msgspec.Struct, frozen=True, kw_only=True):
         return self.engine.to_spec()
 
 
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _regions_ok(addrs: list[int], sizes: list[int], lens: list[int], num_blocks: int) -> bool:
-    """Fast path: True when every region is sound (the slow loop then finds nothing to say)."""
+def _value_problem(md: AgentMetadata) -> str | None:
+    """The first field of ``md`` outside the bounds of its type (None: all within)."""
     try:
-        if not set(map(type, itertools.chain(addrs, sizes, lens))) <= {int}:
-            return False
-        return (
-            min(addrs) >= 0 and min(sizes) > 0 and min(lens) > 0
-            and max(map(operator.add, addrs, sizes)) <= _U64
-            and all(map(operator.ge, sizes, [num_blocks * x for x in lens]))
-        )
-    except (TypeError, ValueError):
-        return False
+        fields = msgspec.to_builtins(md, builtin_types=(bytes,))
+    except TypeError as exc:  # a value msgpack cannot carry (a numpy integer, an object)
+        return f"a field holds a value that cannot be sent: {exc}"
+    try:
+        msgspec.convert(fields, AgentMetadata, builtin_types=(bytes,))
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        name = text.rsplit("`$.", 1)[-1].split("`")[0].split("[")[0] if "`$." in text else ""
+        field = next((f for f in msgspec.inspect.type_info(AgentMetadata).fields
+                      if f.name == name), None)
+        if field is not None and isinstance(field.type, msgspec.inspect.LiteralType):
+            text += f"; {name} must be one of {field.type.values}"
+        return text
+    return None
 
 
 def metadata_problems(md: AgentMetadata, *, check_engine: bool = True) -> list[str]:
     """Every internal inconsistency of ``md`` as a readable sentence (empty when consistent).
 
+    A value outside the bounds of its field's type is reported alone (the first
+    one found); otherwise every relation between fields that does not hold.
     ``check_engine=False`` skips rebuilding the EngineSpec from ``md.engine``
     (for callers that already checked equal engine facts of another rank).
     """
+    problem = _value_problem(md)
+    if problem is not None:
+        return [problem]
     problems: list[str] = []
-    for name in ("engine_id", "incarnation", "agent_name", "attention_backend"):
-        value = getattr(md, name)
-        if not isinstance(value, str) or not value:
-            problems.append(f"{name} must be a non-empty string, got {value!r}")
-    for name in ("rank", "device_id"):
-        value = getattr(md, name)
-        if not _is_int(value) or value < 0:
-            problems.append(f"{name} must be a non-negative integer, got {value!r}")
-    for name in ("tp_size", "num_blocks", "block_size", "kernel_blocks_per_block"):
-        value = getattr(md, name)
-        if not _is_int(value) or value <= 0:
-            problems.append(f"{name} must be a positive integer, got {value!r}")
-    if not isinstance(md.agent_metadata, bytes) or not md.agent_metadata:
-        problems.append("agent_metadata must be the non-empty bytes of the NIXL agent metadata")
-    if md.memory_type not in MEMORY_TYPES:
-        problems.append(f"memory_type must be one of {MEMORY_TYPES}, got {md.memory_type!r}")
-    if md.layout not in {x.value for x in Layout}:
-        problems.append(f"layout {md.layout!r} is not one of {[x.value for x in Layout]}")
-    if md.head_order not in {x.value for x in HeadOrder}:
-        problems.append(f"head_order {md.head_order!r} is not one of {[x.value for x in HeadOrder]}")
-    if problems:
-        return problems
-
     if md.rank >= md.tp_size:
         problems.append(f"rank {md.rank} is outside TP size {md.tp_size}")
     if md.block_size % md.kernel_blocks_per_block:
@@ -254,18 +216,13 @@ def metadata_problems(md: AgentMetadata, *, check_engine: bool = True) -> list[s
             f"region counts differ: {n} base addresses, {len(md.region_sizes)} sizes, "
             f"{len(md.block_lens)} block lengths (one of each per region)"
         )
-    elif not _regions_ok(md.region_base_addrs, md.region_sizes, md.block_lens, md.num_blocks):
+    elif n and not (max(map(operator.add, md.region_base_addrs, md.region_sizes)) <= _U64
+                    and all(map(operator.ge, md.region_sizes,
+                                [md.num_blocks * x for x in md.block_lens]))):
         for i, (addr, size, blen) in enumerate(
             zip(md.region_base_addrs, md.region_sizes, md.block_lens, strict=True)
         ):
-            if not (_is_int(addr) and _is_int(size) and _is_int(blen)):
-                problems.append(f"region {i}: address, size and block length must be integers")
-            elif addr < 0 or size <= 0 or blen <= 0:
-                problems.append(
-                    f"region {i}: address {addr} must be >= 0 and size {size} and block length "
-                    f"{blen} positive"
-                )
-            elif addr + size > _U64:
+            if addr + size > _U64:
                 problems.append(f"region {i}: address {addr:#x} + size {size} overflows 64 bits")
             elif size < md.num_blocks * blen:
                 problems.append(
@@ -310,7 +267,7 @@ def check_metadata(md: AgentMetadata) -> AgentMetadata:
 
 
 _ENCODER = msgspec.msgpack.Encoder()
-_DECODER = msgspec.msgpack.Decoder(AgentMetadata)
+_DECODER = Decoder(AgentMetadata)
 
 
 def encode_metadata(md: AgentMetadata) -> bytes:
@@ -321,6 +278,7 @@ def encode_metadata(md: AgentMetadata) -> bytes:
 def decode_metadata(data: bytes) -> AgentMetadata:
     """Decode and type-check (not consistency-check) one AgentMetadata.
 
-    Raises ``msgspec.DecodeError`` / ``msgspec.ValidationError``.
+    Raises ``msgspec.DecodeError`` (``msgspec.ValidationError`` for wrong types) for any
+    bytes that do not decode, invalid UTF-8 and deep nesting included.
     """
     return _DECODER.decode(data)

@@ -147,9 +147,44 @@ class Envelope(msgspec.Struct, kw_only=True):
     nonce: int | None = None
 
 
+#: What msgspec's msgpack decoder raises for bytes it cannot decode: its own errors
+#: (``msgspec.DecodeError``, and ``msgspec.ValidationError`` for wrong types or bounds),
+#: ``UnicodeDecodeError`` for a ``str`` that is not UTF-8 (whether the field is read or
+#: skipped), and ``RecursionError`` for arrays or maps nested deeper than the interpreter's
+#: recursion limit (msgspec 0.22; found by fuzzing damaged real encodings).
+DECODE_FAILURES = (msgspec.DecodeError, UnicodeDecodeError, RecursionError)
+
+
+class Decoder:
+    """A msgpack decoder of ``type_`` that fails only with ``msgspec.DecodeError``.
+
+    The one place where the side channel turns bytes into values: every decoder
+    of this package is one of these, so server and client handle anything a peer
+    can send by catching ``msgspec.DecodeError`` alone (``msgspec.ValidationError``,
+    a subclass, passes through unchanged and keeps its message naming the field).
+    """
+
+    __slots__ = ("_decoder", "type")
+
+    def __init__(self, type_: object) -> None:
+        self.type = type_
+        self._decoder = msgspec.msgpack.Decoder(type_)
+
+    def decode(self, data: bytes):  # noqa: ANN201 - an instance of self.type
+        try:
+            return self._decoder.decode(data)
+        except msgspec.DecodeError:
+            raise
+        except UnicodeDecodeError as exc:
+            raise msgspec.DecodeError(f"invalid UTF-8 in a string: {exc.reason} at byte "
+                                      f"{exc.start} of the string") from None
+        except RecursionError:
+            raise msgspec.DecodeError("arrays or maps nested too deeply") from None
+
+
 ENCODER = msgspec.msgpack.Encoder()
-MESSAGE_DECODER = msgspec.msgpack.Decoder(Message)
-ENVELOPE_DECODER = msgspec.msgpack.Decoder(Envelope)
+MESSAGE_DECODER = Decoder(Message)
+ENVELOPE_DECODER = Decoder(Envelope)
 
 
 def encode(message: MetadataRequest | MetadataReply | ErrorReply | PushOffer | PushAccept) -> bytes:

@@ -158,6 +158,11 @@ class Push:
     #: background posting jobs not reported back yet
     in_flight: int = 0
     seq: int = 0
+    #: finished (written, failed or timed out): posting jobs still queued post nothing more
+    finished: bool = False
+    #: the release of a push that finished with posting jobs still in flight, reported once
+    #: they all came back and their WRITE handles were released (see PushWrites._finish)
+    pending_release: Released | None = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -178,11 +183,13 @@ class PushWrites(PrefillMode):
     def __init__(self, engine) -> None:
         super().__init__(engine)
         self._pushes: dict[str, Push] = {}
+        #: finished pushes whose blocks stay held until their posting jobs came back
+        self._draining: list[Push] = []
         self._released: list[Released] = []
 
     @property
     def held(self) -> int:
-        return len(self._pushes)
+        return len(self._pushes) + len(self._draining)
 
     # ----- entry points (caller thread) -------------------------------------------
     def push(self, request_id: str, block_ids: tuple[np.ndarray, ...], target: TransferParams) -> None:
@@ -286,6 +293,8 @@ class PushWrites(PrefillMode):
         parts: dict[int, Transfer] = {}
         err = None
         try:
+            if p.finished:  # timed out or failed while this job waited: its blocks are released
+                return ("pushed", p, parts, None)
             if not (peer.usable and e.peers.is_current(peer)):
                 raise ValueError(f"engine {peer.engine_id!r} was dropped before the WRITE was posted")
             skip = p.target.computed_tokens // peer.spec.block_size
@@ -322,8 +331,12 @@ class PushWrites(PrefillMode):
             return
         p, parts, err = event.push, event.parts, event.error
         p.in_flight -= 1
-        if self._pushes.get(p.request_id) is not p:  # failed or timed out meanwhile
+        if p.finished:  # failed or timed out meanwhile
             self.engine.drop_transfers(parts.values())
+            if not p.in_flight and p.pending_release is not None:
+                self._draining.remove(p)
+                self._report(p.pending_release)
+                p.pending_release = None
             return
         for r, x in parts.items():
             p.seq += 1
@@ -340,7 +353,13 @@ class PushWrites(PrefillMode):
             e.stats.notifications_sent += 1
 
     def _finish(self, p: Push, error: str | None, kind: FailureKind | None = None) -> None:
+        """End a push: release its WRITE handles, then its blocks. A posting job still
+        queued on the worker then posts nothing; one already posting reports its WRITEs
+        back to :meth:`on_event`, which releases them. Until every job came back the
+        blocks stay held (a WRITE reading them may still be in flight) and the release
+        is reported only then, so a released request never leaves a WRITE handle behind."""
         e = self.engine
+        p.finished = True
         e.drop_transfers(p.transfers.values())
         p.transfers.clear()
         self._pushes.pop(p.request_id, None)
@@ -351,9 +370,16 @@ class PushWrites(PrefillMode):
             log.warning("push of %s failed: %s", p.request_id, error)
             e.stats.fail((kind or FailureKind.TRANSFER).value)
             reason = "push-failed"
-        e.stats.requests_released += 1
-        ids = flat_ids(p.groups, None)
-        self._released.append(Released(p.request_id, tuple(ids.tolist()), reason))
+        released = Released(p.request_id, tuple(flat_ids(p.groups, None).tolist()), reason)
+        if p.in_flight:
+            p.pending_release = released
+            self._draining.append(p)
+        else:
+            self._report(released)
+
+    def _report(self, released: Released) -> None:
+        self.engine.stats.requests_released += 1
+        self._released.append(released)
 
     def poll(self, now: float) -> list[Released]:
         broken = []
