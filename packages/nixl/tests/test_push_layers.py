@@ -225,15 +225,15 @@ def test_a_push_that_times_out_before_its_write_is_posted_leaves_no_handle():
     gates = []
     try:
         _fill(pair, [2], seed=3)
-        pair.dec.expect("warm", "prefill", pair.p_spec.tp_size, "tok-warm", [1])
+        pair.dec.expect("warm", "prefill", pair.p_spec.tp_size, "tok-warm", ([1],))
         for e in pair.pre:
-            e.push("warm", [2], _target(pair, "warm", [1]))
+            e.push("warm", ([2],), _target(pair, "warm", [1]))
         pair.run(lambda d, f, r: d == ["warm"] and len(r) == len(pair.pre))
         for e in pair.pre:  # hold each worker: the next posting job waits behind this one
             gate = threading.Event()
             gates.append(gate)
             e._worker.submit(gate.wait)
-            e.push("late", [2], _target(pair, "late", [1]))
+            e.push("late", ([2],), _target(pair, "late", [1]))
         time.sleep(0.5)  # past the timeout
         released = [r for e in pair.pre for r in e.poll()]
         assert released == []  # timed out, but the posting job has not come back yet

@@ -294,7 +294,7 @@ class PushWrites(PrefillMode):
         err = None
         try:
             if p.finished:  # timed out or failed while this job waited: its blocks are released
-                return ("pushed", p, parts, None)
+                return WritesPosted(p, parts, None)
             if not (peer.usable and e.peers.is_current(peer)):
                 raise ValueError(f"engine {peer.engine_id!r} was dropped before the WRITE was posted")
             skip = p.target.computed_tokens // peer.spec.block_size
