@@ -20,9 +20,9 @@ from kvbridge.topology import (
     plan_transfer,
 )
 
-from ..agent import AgentConfig
 from ..config import EngineConfig
 from ..stats import Stats
+from .agentargs import add_agent_arguments, agent_config
 from .harness import Cluster, HarnessError
 from .hybrid import with_hybrid_groups
 from .memcpy import memcpy_gbps
@@ -32,8 +32,7 @@ from .progress import Progress, Ticker
 def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", choices=("pull", "push"), default="pull",
                    help="pull: decode READs (default); push: prefill WRITEs")
-    p.add_argument("--ucx-threads", type=int, default=4, metavar="N",
-                   help="UCX worker threads per agent (default 4)")
+    add_agent_arguments(p)
     p.add_argument("--backends", default="UCX", help="comma-separated NIXL backends (default UCX)")
     p.add_argument("--ranks-per-process", type=int, default=1, metavar="N",
                    help="TP ranks per engine process (default 1: one process per rank)")
@@ -41,8 +40,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 
 def _config(args: argparse.Namespace) -> EngineConfig:
     # hybrid (--mamba) requests name the null block 0 in their Mamba group's list, as vLLM does
-    return EngineConfig(agent=AgentConfig(backends=tuple(b.strip() for b in args.backends.split(",") if b.strip()),
-                                          num_threads=args.ucx_threads),
+    return EngineConfig(agent=agent_config(args, tuple(b.strip() for b in args.backends.split(",") if b.strip())),
                         mode=args.mode, handshake_timeout_s=20.0, transfer_timeout_s=120.0,
                         null_block_id=NULL if getattr(args, "mamba", False) else None)
 
