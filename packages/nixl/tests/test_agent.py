@@ -12,9 +12,9 @@ from kvbridge.nixl.agent import AgentConfig, NixlAgent, NixlError
 
 @pytest.fixture(scope="module")
 def pair():
-    a = NixlAgent("test-agent-a", AgentConfig(num_threads=1))
-    b = NixlAgent("test-agent-b", AgentConfig(num_threads=1))
-    assert not a.config.progress_thread  # the default: no NIXL progress thread
+    # no NIXL progress thread: the tests drive progress themselves (the fallback path)
+    a = NixlAgent("test-agent-a", AgentConfig(num_threads=1, progress_thread=False))
+    b = NixlAgent("test-agent-b", AgentConfig(num_threads=1, progress_thread=False))
     yield a, b
     a.close()
     b.close()
@@ -125,3 +125,40 @@ def test_progress_keeps_notifications_for_the_next_call(pair):
     got = a.notifications()
     assert got.get("test-agent-b", [])[-2:] == [b"kept-1", b"kept-2"]
     assert a.notifications() == {}  # handed out once
+
+
+@pytest.mark.parametrize("delay_us", [0, 1000])
+def test_native_progress_thread_serves_a_read_without_python_progress(delay_us):
+    """With NIXL's progress thread (our delay), the READ's target runs no Python at all:
+    no progress(), no notification check; its thread answers the connection set-up and
+    the notification arrives on its own."""
+    cfg = AgentConfig(num_threads=1, progress_delay_us=delay_us)
+    assert cfg.progress_thread  # the default
+    target, reader = NixlAgent("test-agent-t", cfg), NixlAgent("test-agent-r", cfg)
+    try:
+        assert target._agent.backend_options["UCX"]["num_threads"] == "1"  # init params reached UCX
+        src = torch.randint(0, 255, (8, 4096), dtype=torch.uint8)
+        dst = torch.zeros((8, 4096), dtype=torch.uint8)
+        target.register(np.array([[src.data_ptr(), src.numel(), 0]]))
+        reader.register(np.array([[dst.data_ptr(), dst.numel(), 0]]))
+        name = reader.add_remote(target.metadata())
+        rows = lambda t: np.array([[t.data_ptr(), 4096, 0, 4096, 8]], dtype=np.uint64)  # noqa: E731
+        rl, ll = reader.prepare(name, rows(src)), reader.prepare(None, rows(dst))
+        idx = np.arange(8, dtype=np.int32)
+        x = reader.make_transfer("READ", ll, idx, rl, idx[::-1].copy(), b"native")
+        reader.post(x)
+        assert _wait(reader, x) == "DONE"  # no peer= : the target never progresses from Python
+        assert torch.equal(dst, src.flip(0))
+        assert _notifs(target) == {"test-agent-r": [b"native"]}
+    finally:
+        reader.close()
+        target.close()
+
+
+def test_agent_config_refuses_bad_progress_and_backend_params():
+    with pytest.raises(ValueError, match="progress_delay_us"):
+        AgentConfig(progress_delay_us=-1)
+    with pytest.raises(ValueError, match="backend_params"):
+        AgentConfig(backend_params=(("GDS", "x", "1"),))
+    assert AgentConfig(num_threads=2, backend_params=(("UCX", "split_batch_size", "256"),)).init_params(
+        "UCX") == {"num_threads": "2", "split_batch_size": "256"}

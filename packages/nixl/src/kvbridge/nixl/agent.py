@@ -30,6 +30,8 @@ import numpy as np
 
 from kvbridge.memory import expand_strided
 
+from .agent_config import AgentConfig, build_agent
+
 log = logging.getLogger("kvbridge.nixl")
 
 XferState = Literal["DONE", "PROC", "ERR"]
@@ -42,32 +44,6 @@ class NixlError(RuntimeError):
 
 class _PrepRefused(NixlError):
     """NIXL refused to prepare a descriptor list (callers see a NixlError)."""
-
-
-@dataclass(frozen=True)
-class AgentConfig:
-    """How to build one rank's NIXL agent.
-
-    ``backends`` are NIXL plugin names (UCX by default); ``num_threads`` is the
-    UCX worker thread count (0 lets NIXL pick); ``telemetry`` enables per
-    transfer timing (``get_xfer_telemetry``); ``progress_thread`` starts NIXL's
-    own progress thread. It is off by default: NIXL's Python API starts that
-    thread with no delay between polls, so each agent keeps a core busy even when
-    idle (measured: two idle agents held both cores of a 2-core host at ~100 %,
-    and host READs ran at half speed beside them). The engines progress NIXL
-    themselves (their worker and ``poll()``), so call ``poll()`` regularly.
-    """
-
-    backends: tuple[str, ...] = ("UCX",)
-    num_threads: int = 4
-    telemetry: bool = True
-    progress_thread: bool = False
-
-    def __post_init__(self) -> None:
-        if not self.backends:
-            raise ValueError("AgentConfig.backends is empty; name at least one NIXL backend, e.g. UCX")
-        if not isinstance(self.num_threads, int) or self.num_threads < 0:
-            raise ValueError(f"AgentConfig.num_threads must be an integer >= 0, got {self.num_threads!r}")
 
 
 @dataclass(frozen=True)
@@ -136,19 +112,11 @@ class NixlAgent:
     LOCAL = "NIXL_INIT_AGENT"
 
     def __init__(self, name: str, config: AgentConfig | None = None) -> None:
-        from nixl._api import nixl_agent, nixl_agent_config
-
         self.config = config or AgentConfig()
         self.name = name
         self._lock = threading.RLock()
-        conf = nixl_agent_config(
-            enable_prog_thread=self.config.progress_thread,
-            capture_telemetry=self.config.telemetry,
-            num_threads=self.config.num_threads,
-            backends=list(self.config.backends),
-        )
         try:
-            self._agent = nixl_agent(name, conf)
+            self._agent = build_agent(name, self.config)
         except Exception as exc:
             raise NixlError(f"creating NIXL agent {name!r} failed: {exc}") from exc
         missing = [b for b in self.config.backends if b not in self._agent.backends]

@@ -52,21 +52,19 @@ class EngineConfig:
     #: spelling of kvbridge.topology's dtype table. None: the tensors' dtype. Peers must agree
     #: on it (it is hashed for the handshake)
     kv_cache_dtype: str | None = None
-    #: how often the engine's worker lets NIXL progress while idle (seconds; 0: only in
-    #: poll() and while transfers run). Without it, and without NIXL's progress thread
-    #: (``AgentConfig.progress_thread``), a peer's connection set-up waits for this
-    #: side's next poll()
+    #: only with ``AgentConfig(progress_thread=False)`` (by default NIXL's native progress
+    #: thread moves transfers, connection set-up and notifications, and these three fields
+    #: have no effect): how often the engine's worker then lets NIXL progress while the
+    #: engine is busy (seconds; 0: only in poll() and while transfers run). Over UCX in host
+    #: memory a peer's READ of this rank's blocks completes only while this side progresses
     progress_interval_s: float = 0.001
     #: the same while the engine is idle: no blocks held for a peer (prefill), no transfer
-    #: awaited (decode). A peer's READ of held blocks completes only while this side
-    #: progresses, so busy engines use ``progress_interval_s``; idle ones wake this much
-    #: less often (each wake-up costs CPU time and takes the GIL). 0 or a value not above
-    #: ``progress_interval_s``: always ``progress_interval_s``
+    #: awaited (decode); each wake-up costs CPU time and takes the GIL. 0 or a value not
+    #: above ``progress_interval_s``: always ``progress_interval_s``
     idle_progress_interval_s: float = 0.02
-    #: an engine also counts as busy for this long after its last ``poll()`` (seconds):
-    #: a vLLM prefill worker learns of a finished request (and holds its blocks) only at
-    #: its next step, and an engine driven in-process may not step again before the
-    #: decode engine reads; while it kept stepping recently, its progress stays short
+    #: an engine also counts as busy for this long after its last ``poll()`` (seconds): a
+    #: vLLM prefill worker learns of a finished request (and holds its blocks) only at its
+    #: next step
     busy_after_poll_s: float = 5.0
     #: CPUs the engine's worker thread (handshakes, posting READs and WRITEs, which over
     #: UCX in host memory copy in the posting thread) runs on; None: the CPUs of the thread

@@ -153,7 +153,9 @@ class RankEngine:
         self._metadata: AgentMetadata | None = None
         self._zmq = zmq.Context(io_threads=1)
         self._events = EventQueue()
-        self._worker = Worker(self.agent, f"kvbridge-handshake-{rank}", self.config.progress_interval_s,
+        # with NIXL's native progress thread no Python thread needs to let NIXL progress
+        interval = 0.0 if self.config.agent.progress_thread else self.config.progress_interval_s
+        self._worker = Worker(self.agent, f"kvbridge-handshake-{rank}", interval,
                               cpus=self.config.worker_cpus,
                               idle_interval_s=self.config.idle_progress_interval_s, busy=self._busy,
                               on_start=functools.partial(use_cache_device, regions))

@@ -3,20 +3,21 @@
 Each engine owns one :class:`Worker`. Jobs are callables; they run one at a
 time in the order they were submitted, so a request submitted after its peer's
 handshake runs after that handshake. Jobs report back to the engine's caller
-thread by putting events on a queue the engine drains in ``poll()``. Between
-jobs the worker lets NIXL progress (``NixlAgent.progress``) every
-``progress_interval_s`` seconds, since the engines run without NIXL's own
-progress thread. Nothing a job raises stops the thread.
+thread by putting events on a queue the engine drains in ``poll()``. Nothing a
+job raises stops the thread.
 
-That progress is not only for notifications: over UCX in host memory a peer's
-READ of this rank's blocks (and its connection set-up) completes only while this
-side progresses too (measured: with the target progressing every 50 ms, a 16 MiB
-READ took 42 ms; every millisecond, 3 ms; never, it did not complete). So the
-worker progresses every ``progress_interval_s`` while its engine says it is
-``busy`` (blocks held for a peer, transfers awaited), and every
-``idle_interval_s`` otherwise: an idle engine then costs about a seventh of the
-CPU time (each wake-up also takes the GIL from the process's other threads).
-The engine calls :meth:`Worker.wake` when it becomes busy.
+By default the agent runs NIXL's native progress thread, which moves transfers,
+connection set-up and notifications; the worker then only waits for jobs
+(``progress_interval_s=0``). Without that thread (``AgentConfig(progress_thread=
+False)``) the worker lets NIXL progress (``NixlAgent.progress``) between jobs,
+since over UCX in host memory a peer's READ of this rank's blocks (and its
+connection set-up) completes only while this side progresses too (measured:
+with the target progressing every 50 ms, a 16 MiB READ took 42 ms; every
+millisecond, 3 ms; never, it did not complete). It then progresses every
+``progress_interval_s`` while its engine says it is ``busy`` (blocks held for a
+peer, transfers awaited), and every ``idle_interval_s`` otherwise (each wake-up
+also takes the GIL from the process's other threads). The engine calls
+:meth:`Worker.wake` when it becomes busy.
 
 ``cpus`` pins the thread to those CPUs (Linux; best effort). An engine embedded in
 a process whose threads are bound to one core (vLLM's CPU workers) otherwise

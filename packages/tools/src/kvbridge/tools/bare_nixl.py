@@ -26,20 +26,20 @@ from .process_start import start_context
 from .synthetic_cache import SyntheticCache
 
 
-def _source(conn: Connection, spec: EngineSpec, num_blocks: int, threads: int) -> None:
+def _source(conn: Connection, spec: EngineSpec, num_blocks: int, config: AgentConfig) -> None:
     """Child: allocate and register a source cache, answer with its agent metadata, then
-    let NIXL progress until told to stop."""
+    wait until told to stop (letting NIXL progress when it runs no progress thread)."""
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     cache = SyntheticCache.allocate(spec, 0, num_blocks)
     regions = cache.cache_regions(spec)
     for r in cache.regions:  # touch every page, as a filled cache would be
         r.fill_(1)
     advise_huge_pages((int(a), int(n)) for a, n, _ in regions.registration_descs())
-    agent = NixlAgent(f"bare-source-{os.getpid()}", AgentConfig(num_threads=threads, telemetry=False))
+    agent = NixlAgent(f"bare-source-{os.getpid()}", replace(config, telemetry=False))
     agent.register(regions.registration_descs())
     conn.send((agent.metadata(), [r.base_addr for r in regions.regions],
                [r.block_stride for r in regions.regions]))
-    while not conn.poll(0.002):
+    while not conn.poll(None if config.progress_thread else 0.002):
         agent.progress()
     agent.close()
 
@@ -50,15 +50,15 @@ class BareReader:
 
     spec: EngineSpec
     num_blocks: int
-    threads: int = 4
-    telemetry: bool = False
+    #: the agents' configuration (both sides; the source without telemetry)
+    agent: AgentConfig = AgentConfig(telemetry=False)
     start_method: str = "spawn"
 
     def __enter__(self) -> BareReader:
         spec = self.spec
         self._ctx = start_context(self.start_method)
         self._conn, child = self._ctx.Pipe()
-        self._proc = self._ctx.Process(target=_source, args=(child, spec, self.num_blocks, self.threads),
+        self._proc = self._ctx.Process(target=_source, args=(child, spec, self.num_blocks, self.agent),
                                        daemon=True)
         self._proc.start()
         child.close()
@@ -67,13 +67,12 @@ class BareReader:
         for r in self.cache.regions:
             r.fill_(0)
         advise_huge_pages((int(a), int(n)) for a, n, _ in regions.registration_descs())
-        self.agent = NixlAgent(f"bare-reader-{os.getpid()}",
-                               AgentConfig(num_threads=self.threads, telemetry=self.telemetry))
-        self.agent.register(regions.registration_descs())
+        self.nixl = NixlAgent(f"bare-reader-{os.getpid()}", self.agent)
+        self.nixl.register(regions.registration_descs())
         if not self._conn.poll(300):
             raise RuntimeError("the bare-NIXL source process did not start within 300 s")
         meta, bases, strides = self._conn.recv()
-        self.peer = self.agent.add_remote(meta)
+        self.peer = self.nixl.add_remote(meta)
         remote = RegionGeometry.from_remote(spec, bases, self.num_blocks, strides, mem_type="DRAM")
         local = RegionGeometry.from_regions(regions)
         peer_spec = replace(spec, engine_id=f"{spec.engine_id}-source")
@@ -86,8 +85,8 @@ class BareReader:
         if strided not in self._lists:
             d = self.descs
             self._lists[strided] = (
-                self.agent.prepare(None, d.local_descs(strided=True), allow_strided=strided),
-                self.agent.prepare(self.peer, d.remote_descs(strided=True), allow_strided=strided))
+                self.nixl.prepare(None, d.local_descs(strided=True), allow_strided=strided),
+                self.nixl.prepare(self.peer, d.remote_descs(strided=True), allow_strided=strided))
         return self._lists[strided]
 
     def read_seconds(self, local_ids, remote_ids, strided: bool = True) -> float:
@@ -95,12 +94,12 @@ class BareReader:
         loc, rem = self.lists(strided)
         t = time.perf_counter()
         li, ri = self.descs.indices(local_ids, remote_ids)
-        x = self.agent.make_transfer("READ", loc, li, rem, ri)
-        st = self.agent.post(x)
+        x = self.nixl.make_transfer("READ", loc, li, rem, ri)
+        st = self.nixl.post(x)
         while st == "PROC":
-            st = self.agent.state(x)
+            st = self.nixl.state(x)
         dt = time.perf_counter() - t
-        self.agent.release_transfer(x)
+        self.nixl.release_transfer(x)
         if st != "DONE":
             raise RuntimeError(f"bare-NIXL READ ended in {st}")
         return dt
@@ -117,7 +116,7 @@ class BareReader:
         self._proc.join(10)
         if self._proc.is_alive():
             self._proc.kill()
-        self.agent.close()
+        self.nixl.close()
 
 
 def bare_gbps(reader: BareReader, blocks: int, fragmented: bool, requests: int, seed: int,

@@ -65,6 +65,7 @@ from kvbridge.memory import RegionGeometry, rank_descriptors
 from kvbridge.nixl import AgentConfig, EngineConfig, NixlAgent
 from kvbridge.topology import EngineSpec, element_layout, plan_rank
 
+from .agentargs import add_agent_arguments, agent_config
 from .bare_nixl import BareReader
 from .harness import Cluster
 from .memcpy import memcpy_gbps
@@ -188,7 +189,8 @@ def desc_prep(layers: int = 80, num_blocks: int = 2048) -> tuple[float, float]:
 def run(args: argparse.Namespace) -> dict[str, float]:
     out: dict[str, float] = {}
     blocks = args.tokens // 16
-    cfg = EngineConfig(agent=AgentConfig(num_threads=args.ucx_threads), transfer_timeout_s=120)
+    agent = agent_config(args)
+    cfg = EngineConfig(agent=agent, transfer_timeout_s=120)
     naive_cfg = replace(cfg, allow_strided=False)
     nb = max(blocks * 4, 256)
     model = _model("bench-prefill"), _model("bench-decode")
@@ -196,7 +198,8 @@ def run(args: argparse.Namespace) -> dict[str, float]:
     with Cluster(*model, num_blocks=nb, config=cfg, start_method="forkserver") as c, \
             Cluster(*model, num_blocks=nb, config=cfg, decode_config=naive_cfg,
                     start_method="forkserver") as n, \
-            BareReader(_model("bench-bare"), nb, threads=args.ucx_threads, start_method="forkserver") as bare:
+            BareReader(_model("bench-bare"), nb, agent=replace(agent, telemetry=False),
+                       start_method="forkserver") as bare:
         # first request of a fresh pair: handshake + plan + lists + first transfer
         c.submit("first", seed=0, p_blocks=list(range(blocks)), d_blocks=list(range(blocks)), verify=False)
         (res,) = c.wait(["first"], timeout=120).values()
@@ -303,7 +306,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--requests", type=int, default=5,
                    help="requests per path, geometry and repeat (their median is the repeat's figure)")
     p.add_argument("--repeats", type=int, default=5, help="repeats (the bench prints medians over them)")
-    p.add_argument("--ucx-threads", type=int, default=4, help="UCX worker threads (default 4)")
+    add_agent_arguments(p)
     args = p.parse_args(argv)
     if args.tokens < 16 or args.tokens % 16:
         print("kvbridge bench: error: --tokens must be a positive multiple of 16", file=sys.stderr)

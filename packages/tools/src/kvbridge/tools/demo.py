@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 
-from kvbridge.nixl import AgentConfig, EngineConfig, Stats
+from kvbridge.nixl import EngineConfig, Stats
 from kvbridge.topology import (
     TopologyError,
     add_shape_arguments,
@@ -21,6 +21,7 @@ from kvbridge.topology import (
     plan_transfer,
 )
 
+from .agentargs import add_agent_arguments, agent_config
 from .harness import Cluster, HarnessError
 from .hybrid_cache import with_hybrid_groups
 from .memcpy import device_copy_gbps, memcpy_gbps
@@ -30,8 +31,7 @@ from .progress_bars import progress, ticker
 def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", choices=("pull", "push"), default="pull",
                    help="pull: decode READs (default); push: prefill WRITEs")
-    p.add_argument("--ucx-threads", type=int, default=4, metavar="N",
-                   help="UCX worker threads per agent (default 4)")
+    add_agent_arguments(p)
     p.add_argument("--backends", default="UCX", help="comma-separated NIXL backends (default UCX)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="where the caches live: host memory (default; NIXL DRAM) or GPU memory "
@@ -42,8 +42,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
 
 def _config(args: argparse.Namespace) -> EngineConfig:
     # hybrid (--mamba) requests name the null block 0 in their Mamba group's list, as vLLM does
-    return EngineConfig(agent=AgentConfig(backends=tuple(b.strip() for b in args.backends.split(",") if b.strip()),
-                                          num_threads=args.ucx_threads),
+    return EngineConfig(agent=agent_config(args, tuple(b.strip() for b in args.backends.split(",") if b.strip())),
                         mode=args.mode, handshake_timeout_s=20.0, transfer_timeout_s=120.0,
                         mem_type="VRAM" if args.device == "cuda" else "DRAM",
                         null_block_id=NULL if getattr(args, "mamba", False) else None)

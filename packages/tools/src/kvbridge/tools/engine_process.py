@@ -63,11 +63,16 @@ def _child_loop(conn, role, spec, ranks, num_blocks, config, incarnation, serve_
     verify_now = False
     last_cmd = time.monotonic()
     running = True
+    # a pull-mode prefill rank whose agent runs NIXL's progress thread needs no Python for the
+    # decode rank's READs: its poll() only releases blocks, and at the busy 0.2 ms it would take
+    # CPU time from the copies (on the 2-core VM); a vLLM prefill engine polls once per step
+    held_wait = 0.002 if role == "p" and config.mode == "pull" and config.agent.progress_thread else 0.0002
     while running:
         busy = to_verify or any(len(e.tracker) if role == "d" else e.held for e in engines.values())
         # wait in select() (GIL released) rather than spin: the engine worker thread needs the GIL;
         # an engine whose worker reported something (posted READs) wakes the wait at once
-        while conn in wait([conn, *engines.values()], 0.0002 if busy else 0.005):
+        wait_s = 0.0002 if to_verify or role == "d" else held_wait
+        while conn in wait([conn, *engines.values()], wait_s if busy else 0.005):
             cmd, arg = conn.recv()
             last_cmd = time.monotonic()
             if cmd == "close":

@@ -46,7 +46,7 @@ class ConnectorConfig:
     transfer_cpus: str | tuple[int, ...] = "all"
     backends: tuple[str, ...] = ("UCX",)
     ucx_threads: int = 1
-    progress_thread: bool = False
+    progress_thread: bool = True
     huge_pages: bool = True
     complete_in_background: bool = True
     lease_seconds: float = 120.0
@@ -116,8 +116,9 @@ CONFIG_KEYS: tuple[ConfigKey, ...] = (
     ConfigKey("ucx_threads", ("KVBRIDGE_UCX_THREADS",),
               "progress threads of the NIXL UCX backend (0 = none)"),
     ConfigKey("progress_thread", ("KVBRIDGE_PROGRESS_THREAD",),
-              "run NIXL's progress thread in every agent (spins a core while idle; the connector "
-              "polls NIXL every engine step instead)"),
+              "run NIXL's native progress thread in every agent (it moves transfers and "
+              "notifications without a Python thread; false: the engines' worker threads "
+              "progress NIXL from Python)"),
     ConfigKey("huge_pages", ("KVBRIDGE_HUGE_PAGES",),
               "back host-memory KV caches with transparent huge pages before registering them "
               "(host READs run faster; no effect on GPU caches)"),
