@@ -16,8 +16,6 @@ import time
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 
-import numpy as np
-
 from kvbridge.memory import RegionGeometry, advise_huge_pages, kernel_spec, rank_descriptors
 from kvbridge.nixl import AgentConfig, NixlAgent
 from kvbridge.topology import EngineSpec, element_layout, plan_rank
@@ -117,20 +115,3 @@ class BareReader:
         if self._proc.is_alive():
             self._proc.kill()
         self.nixl.close()
-
-
-def bare_gbps(reader: BareReader, blocks: int, fragmented: bool, requests: int, seed: int,
-              strided: bool = True) -> list[float]:
-    """GB/s of ``requests`` READs of ``blocks`` blocks each (same draw of blocks as the bench)."""
-    rng = np.random.default_rng(seed)
-    nb = reader.num_blocks
-    out = []
-    for _ in range(requests):
-        if fragmented:
-            pb = rng.choice(nb, blocks, replace=False)
-            db = rng.choice(nb, blocks, replace=False)
-        else:
-            start = int(rng.integers(0, nb - blocks + 1))
-            pb = db = np.arange(start, start + blocks)
-        out.append(blocks * reader.block_bytes / reader.read_seconds(db, pb, strided) / 1e9)
-    return out
