@@ -45,30 +45,35 @@ def _resolve(name: str, modules: dict[str, pathlib.Path]) -> str | None:
     return None
 
 
+def imported_names(mod: str, path: pathlib.Path) -> list[tuple[int, str]]:
+    """``(line, absolute module or name)`` of every import in a module, function-local and
+    ``TYPE_CHECKING`` ones included (``from pkg import name`` gives ``pkg`` and ``pkg.name``)."""
+    package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                prefix = ".".join(base + ([node.module] if node.module else []))
+            else:
+                prefix = node.module or ""
+            out += [(node.lineno, prefix)] + [(node.lineno, f"{prefix}.{a.name}") for a in node.names]
+    return out
+
+
 def import_graph(modules: dict[str, pathlib.Path]) -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {m: set() for m in modules}
     for mod, path in modules.items():
-        is_pkg = path.name == "__init__.py"
-        package = mod if is_pkg else mod.rpartition(".")[0]
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
-            targets: list[str] = []
-            if isinstance(node, ast.Import):
-                targets = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                if node.level:
-                    base = package.split(".")
-                    base = base[: len(base) - (node.level - 1)]
-                    prefix = ".".join(base + ([node.module] if node.module else []))
-                else:
-                    prefix = node.module or ""
-                # `from pkg import mod` names a module; `from mod import Name` names the module
-                targets = [f"{prefix}.{a.name}" for a in node.names] + [prefix]
-            for t in targets:
-                if not t.startswith("kvbridge."):
-                    continue
-                dep = _resolve(t, modules)
-                if dep is not None and dep != mod and not mod.startswith(dep + "."):
-                    graph[mod].add(dep)
+        # `from pkg import mod` names a module; `from mod import Name` names the module
+        for _, t in imported_names(mod, path):
+            if not t.startswith("kvbridge."):
+                continue
+            dep = _resolve(t, modules)
+            if dep is not None and dep != mod and not mod.startswith(dep + "."):
+                graph[mod].add(dep)
     return graph
 
 
@@ -301,25 +306,6 @@ def test_every_reach_through_exception_is_still_needed(mod):
 
 #: modules that hold development tools (demo, bench, harness, synthetic caches)
 TOOLS = ("kvbridge.tools", "kvbridge.nixl.testing")
-
-
-def imported_names(mod: str, path: pathlib.Path) -> list[tuple[int, str]]:
-    """``(line, absolute module or name)`` of every import in a module, function-local and
-    ``TYPE_CHECKING`` ones included (``from pkg import name`` gives ``pkg`` and ``pkg.name``)."""
-    package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
-    out = []
-    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
-        if isinstance(node, ast.Import):
-            out += [(node.lineno, a.name) for a in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")
-                base = base[: len(base) - (node.level - 1)]
-                prefix = ".".join(base + ([node.module] if node.module else []))
-            else:
-                prefix = node.module or ""
-            out += [(node.lineno, prefix)] + [(node.lineno, f"{prefix}.{a.name}") for a in node.names]
-    return out
 
 
 def tools_imports(modules: dict[str, pathlib.Path]) -> list[str]:
