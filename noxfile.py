@@ -57,7 +57,18 @@ def netns(session: nox.Session) -> None:
     throughput next to iperf3 on the same link (printed). About 1.5 minutes; needs root and
     iproute2 (skipped otherwise, with the reason), iperf3 for the baseline
     (`apt-get install -y iperf3`; that test skips without it)."""
-    _uv_run(session, "pytest", str(ROOT / "tests" / "netns"), "-q", "-rP", *session.posargs)
+    _uv_run(session, "pytest", str(ROOT / "tests" / "netns"), "-q", "-rP",
+            f"--ignore={ROOT / 'tests' / 'netns' / 'test_netns_vllm.py'}", *session.posargs)
+
+
+@nox.session(python=False)
+def netns_vllm(session: nox.Session) -> None:
+    """A real vLLM prefill/decode pair (OpenAI servers, KVBridgeConnector, auth_key) on two
+    namespace hosts, UCX over TCP (tests/netns/test_netns_vllm.py). On demand, not in the
+    default sessions: a few minutes; needs root, iproute2 and the e2e environment
+    (scripts/setup_e2e_env.sh, or KVB_E2E_PYTHON); skipped otherwise, with the reason."""
+    _uv_run(session, "pytest", str(ROOT / "tests" / "netns" / "test_netns_vllm.py"), "-q", "-rP",
+            *session.posargs)
 
 
 @nox.session(python=False)
