@@ -123,7 +123,7 @@ class RankEngine:
         self.geometry = RegionGeometry.from_regions(regions)
         #: the KV-cache groups with the regions holding their layers (kvbridge.nixl.groups)
         self.groups = engine_groups(spec, regions)
-        self.config = config or EngineConfig()
+        self.config = config
         self.incarnation = incarnation or new_incarnation()
         self.compat_hash = engine_compat_hash(spec, self.config)
         self.compat_info = engine_compat_info(spec, self.config)
