@@ -127,6 +127,10 @@ def test_after_waking_the_same_tensors_move_under_a_new_incarnation(pair) -> Non
     assert stats["requests_done"] == 2 and len(stats["handshake_duration"]) == 2
     block_bytes = p.caches["model.layers.0.self_attn"][0].numel() * 4
     assert sum(stats["bytes_transferred"]) == (1 + 3) * LAYERS * block_bytes
+    # every sleep gives the engine another incarnation
+    p.worker.suspend()
+    _wake(p)
+    assert p.sched.server.incarnation == next_incarnation(new) != new
 
 
 def test_parameters_issued_before_the_sleep_are_refused_after_it(pair) -> None:
