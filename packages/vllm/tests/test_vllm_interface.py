@@ -167,6 +167,42 @@ def test_the_connector_implements_the_base_of_each_supported_release(version: st
     print(f"connector methods vLLM {version}'s base does not have: {extra}")
 
 
+def _top_level_names(tree: ast.Module) -> set[str]:
+    names = set()
+    for node in tree.body:
+        if isinstance(node, (ast.ClassDef, ast.FunctionDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign):
+            names |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+    return names
+
+
+@pytest.mark.parametrize("version", SUPPORTED_VLLM)
+def test_what_the_connector_imports_and_builds_from_the_base_exists(version: str) -> None:
+    """The names connector.py imports from base.py (an ImportError would stop vLLM from
+    loading the connector), and the fields it fills in ``KVConnectorTransferResults``."""
+    try:
+        base = ast.parse(release_file(version, BASE_PATH))
+    except ReleaseUnavailable as exc:
+        pytest.skip(f"vLLM {version}'s {BASE_PATH} is not available offline: {exc}")
+    ours = ast.parse(CONNECTOR.read_text(encoding="utf-8"))
+    module = BASE_PATH.removesuffix(".py").replace("/", ".")
+    imported = {a.name for n in ast.walk(ours) if isinstance(n, ast.ImportFrom) and n.module == module
+                for a in n.names}
+    assert {"KVConnectorBase_V1", "SupportsHMA"} <= imported
+    missing = imported - _top_level_names(base)
+    assert not missing, f"vLLM {version}'s {BASE_PATH} lacks {sorted(missing)}"
+    results = next(c for c in base.body if isinstance(c, ast.ClassDef)
+                   and c.name == "KVConnectorTransferResults")
+    fields = {n.target.id for n in results.body
+              if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+    passed = {k.arg for n in ast.walk(ours) if isinstance(n, ast.Call)
+              and ast.unparse(n.func).endswith("KVConnectorTransferResults") for k in n.keywords}
+    assert passed and passed <= fields, (passed, fields)
+
+
 def test_every_required_override_exists_in_some_release() -> None:
     """A name in REQUIRED_OVERRIDES that no supported release has is a typo or a hook
     vLLM removed: either way the list must change."""
