@@ -53,10 +53,11 @@ class SideChannel:
                              f"compatibility hash ({sorted(hashes)}); they must run the same model")
         encoded = {rank: p[1] for rank, p in payloads.items()}
         info = next((dict(p[2]) for p in payloads.values() if len(p) > 2 and p[2]), None)
-        incarnations = {decode_metadata(md).incarnation for md in encoded.values()}
-        if (self.server is not None and len(incarnations) == 1
-                and self.server.incarnation not in incarnations
-                and set(self.server.ranks) <= set(encoded)):
+        incarnations = ({decode_metadata(md).incarnation for md in encoded.values()}
+                        if self.server is not None and set(self.server.ranks) <= set(encoded)
+                        else set())
+        if self.server is not None and len(incarnations) == 1 \
+                and self.server.incarnation not in incarnations:
             # every rank registered again under a new incarnation (vLLM sleep mode: woken up):
             # serve the new engine on the same port, so that peers handshake again
             log.info("kvbridge: engine %s is now incarnation %s; serving it anew",
