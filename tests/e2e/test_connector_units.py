@@ -88,6 +88,19 @@ def test_required_layout_is_hnd_unless_mla() -> None:
     assert KVBridgeConnector.get_required_kvcache_layout(VC()) is None
 
 
+def test_sleep_mode_is_supported_in_pull_mode_only() -> None:
+    """vLLM >= 0.33 asks before enabling sleep mode (0.32 never asks): push mode lets prefill
+    engines write into the decode cache, whose registration they would keep."""
+    from vllm.config import KVTransferConfig
+
+    def ask(extra: dict) -> bool:
+        return KVBridgeConnector.supports_sleep_mode(KVTransferConfig(
+            kv_connector="KVBridgeConnector", kv_role="kv_both", kv_connector_extra_config=extra))
+
+    assert ask({}) is True and ask({"mode": "pull"}) is True
+    assert ask({"mode": "push"}) is False
+
+
 @pytest.mark.parametrize("setting", ["pipeline_parallel_size", "decode_context_parallel_size",
                                      "prefill_context_parallel_size"])
 @pytest.mark.parametrize("role", ["SCHEDULER", "WORKER"])

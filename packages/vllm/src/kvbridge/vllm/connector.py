@@ -191,6 +191,16 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         return shims.required_kvcache_layout(mc is not None and bool(mc.use_mla))
 
     @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """Called by vLLM >= 0.33 when the engine is configured with ``enable_sleep_mode``
+        (vLLM refuses the configuration on False). Pull mode: yes, the workers drop and
+        restore their NIXL registrations (:meth:`unregister_kv_caches`,
+        :meth:`restore_kv_caches`). Push mode: no, prefill engines hold the decode
+        engine's cache registration and would write into freed memory."""
+        extra = getattr(kv_transfer_config, "kv_connector_extra_config", None) or {}
+        return parse_connector_config(extra).mode == "pull"
+
+    @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
         """Called by vLLM in the engine core to rebuild the stats a worker shipped as
         their ``data`` dict: a :class:`KVBridgeStats`."""
@@ -287,8 +297,9 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
             num_prompt_tokens=request.num_prompt_tokens)
 
     def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
-        """Scheduler, once after the workers registered, with each rank's
-        :meth:`get_handshake_metadata`: serves them on the side channel."""
+        """Scheduler, once after the workers registered (and again after a sleep-mode
+        wake-up), with each rank's :meth:`get_handshake_metadata`: serves them on the
+        side channel."""
         payloads = {}
         for rank, m in metadata.items():
             if not isinstance(m, KVBridgeHandshake):
@@ -326,9 +337,24 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
                            address=(self.config.side_channel_host, self.port),
                            layer_names=reg.layer_names)
 
+    def unregister_kv_caches(self) -> None:
+        """Worker, vLLM >= 0.33 sleep mode, before the cache memory is freed (vLLM paused
+        the engine first): deregisters the cache from NIXL and closes this rank's
+        engines; held prefill requests are reported sent, started loads failed, and
+        orders refused until :meth:`restore_kv_caches`. Idempotent."""
+        self._w().suspend()
+
+    def restore_kv_caches(self) -> None:
+        """Worker, vLLM >= 0.33 sleep mode, after the cache memory is back at its
+        addresses: registers it again under a new incarnation; vLLM then collects
+        :meth:`get_handshake_metadata` again for the scheduler to serve, and peers
+        handshake anew. Idempotent."""
+        self._w().resume()
+
     def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
-        """Worker, once after :meth:`register_kv_caches`: this rank's metadata for the
-        scheduler to serve (prefill ranks), None on decode-only ranks."""
+        """Worker, after :meth:`register_kv_caches` and :meth:`restore_kv_caches`: this
+        rank's metadata for the scheduler to serve (prefill ranks), None on decode-only
+        ranks."""
         hs = self._w().handshake()
         if hs is None:
             return None

@@ -18,8 +18,10 @@ torch tensors and real NIXL engines.
 from __future__ import annotations
 
 import copy
+import hashlib
 import logging
 from abc import abstractmethod
+from dataclasses import dataclass
 from typing import Any
 
 from kvbridge.handshake import encode_metadata
@@ -33,6 +35,25 @@ from kvbridge.vllm.stats import empty_stats, is_empty, stats_delta
 __all__ = ["RankEngines"]
 
 log = logging.getLogger("kvbridge.vllm")
+
+
+@dataclass(frozen=True)
+class _Registration:
+    """What :meth:`RankEngines.register` was given: enough to register the cache again."""
+
+    spec: EngineSpec
+    regions: CacheRegions
+    config: EngineConfig
+    incarnation: str
+    address: tuple[str, int]
+    layer_names: tuple[str, ...]
+
+
+def next_incarnation(incarnation: str) -> str:
+    """The incarnation an engine takes when it registers its cache again after sleep mode:
+    a new value (peers that hold the old one handshake again, and parameters issued
+    before the sleep are refused as from a restarted engine), the same on every rank."""
+    return hashlib.sha256(f"{incarnation}|woken".encode()).hexdigest()[:32]
 
 
 class RankEngines(WorkerMode):
@@ -58,6 +79,9 @@ class RankEngines(WorkerMode):
         self._invalid: set[int] = set()
         self._loading: dict[str, BlockIds] = {}  # started loads: local block ids
         self._stats_base: dict[str, Stats] = {}
+        self._registration: _Registration | None = None
+        self._asleep = False
+        self._stats_kept: dict[str, Any] | None = None  # taken from engines closed by suspend()
 
     # ----- what a mode adds ------------------------------------------------
     @abstractmethod
@@ -76,6 +100,8 @@ class RankEngines(WorkerMode):
         the scheduler serves this engine's metadata on; ``layer_names`` are vLLM's names of
         the cache's layers in model order (push mode writes layers by name)."""
         self.layer_names = tuple(layer_names)
+        self._registration = _Registration(spec, regions, config, incarnation, tuple(address),
+                                           self.layer_names)
         if self.roles.producer:
             self.prefill = PrefillEngine(spec, self.rank, regions, config, incarnation=incarnation)
             self.prefill.advertise(*address)
@@ -98,6 +124,55 @@ class RankEngines(WorkerMode):
         refused peer is told which differ (empty when this rank has no such engine)."""
         eng = self._served_engine()
         return {} if eng is None else dict(eng.compat_info)
+
+    # ----- sleep mode ------------------------------------------------------
+    @property
+    def asleep(self) -> bool:
+        """Between :meth:`suspend` and :meth:`resume`: no cache is registered, no engine runs."""
+        return self._asleep
+
+    def suspend(self) -> None:
+        """Drop the cache's registrations before vLLM frees its memory (sleep mode).
+
+        The engines close: their NIXL agents deregister the cache and end every
+        connection and transfer, so no peer can read or write the memory once it is
+        gone. What was in flight ends cleanly at the next :meth:`results`: the
+        requests the prefill engine held are reported sent (their blocks are vLLM's
+        again; a decode engine still reading them fails and recomputes), and this
+        rank's started loads are reported failed with their blocks invalid. Until
+        :meth:`resume`, orders are refused as :meth:`start` refuses them for an engine
+        this rank does not run. Idempotent; nothing to do before :meth:`register`."""
+        if self._asleep or self._registration is None:
+            return
+        self._asleep = True
+        for rid, local in self._loading.items():
+            self._failed_now[rid] = local
+        self._loading.clear()
+        self._free_now.update(self._drop_holds())
+        self._stats_kept = self.take_stats()  # the closing engines' last interval
+        self.close()
+        self._stats_base.clear()  # the next engines count from zero
+        log.info("kvbridge: rank %d asleep: KV cache deregistered from NIXL, transfers refused "
+                 "until vLLM restores the cache", self.rank)
+
+    def resume(self) -> None:
+        """Register the cache again after vLLM restored its memory (sleep mode keeps the
+        tensors at their addresses), under a new incarnation (:func:`next_incarnation`):
+        :meth:`handshake` then returns the new metadata, which vLLM hands the scheduler
+        to serve, and peers handshake again. Idempotent."""
+        reg = self._registration
+        if not self._asleep or reg is None:
+            return
+        incarnation = next_incarnation(reg.incarnation)
+        self.register(reg.spec, reg.regions, reg.config, incarnation=incarnation,
+                      address=reg.address, layer_names=reg.layer_names)
+        self._asleep = False
+        log.info("kvbridge: rank %d awake: KV cache registered again as incarnation %s",
+                 self.rank, incarnation)
+
+    def _drop_holds(self) -> set[str]:
+        """Forget what this rank holds for peers (sleep mode): the ids to report sent."""
+        return set()
 
     # ----- per step --------------------------------------------------------
     def _load_started(self, request_id: str, local: BlockIds) -> None:
@@ -153,7 +228,7 @@ class RankEngines(WorkerMode):
     def take_stats(self) -> dict[str, Any] | None:
         """The interval's :mod:`kvbridge.vllm.stats` data since the last call, or None
         when nothing happened."""
-        st = empty_stats()
+        st, self._stats_kept = self._stats_kept or empty_stats(), None
         for name, eng in (("prefill", self.prefill), ("decode", self.decode)):
             if eng is None:
                 continue

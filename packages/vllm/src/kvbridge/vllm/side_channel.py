@@ -42,7 +42,8 @@ class SideChannel:
         ``payloads`` maps each rank to its (compatibility hash, encoded metadata),
         optionally followed by the hash's fields (which a refused peer is shown). The
         ranks must agree on the hash and the incarnation; a second call replaces the
-        metadata of the ranks it names.
+        metadata of the ranks it names, or, when it names every served rank under one new
+        incarnation (the cache registered again after vLLM's sleep mode), the server.
         """
         if not payloads:
             return None
@@ -52,6 +53,17 @@ class SideChannel:
                              f"compatibility hash ({sorted(hashes)}); they must run the same model")
         encoded = {rank: p[1] for rank, p in payloads.items()}
         info = next((dict(p[2]) for p in payloads.values() if len(p) > 2 and p[2]), None)
+        incarnations = ({decode_metadata(md).incarnation for md in encoded.values()}
+                        if self.server is not None and set(self.server.ranks) <= set(encoded)
+                        else set())
+        if self.server is not None and len(incarnations) == 1 \
+                and self.server.incarnation not in incarnations:
+            # every rank registered again under a new incarnation (vLLM sleep mode: woken up):
+            # serve the new engine on the same port, so that peers handshake again
+            log.info("kvbridge: engine %s is now incarnation %s; serving it anew",
+                     self.engine_id, next(iter(incarnations)))
+            self.server.close()
+            self.server = None
         # the server decodes and checks each rank's bytes once, refuses ranks of another
         # incarnation, and serves the bytes as they are
         if self.server is None:

@@ -43,10 +43,20 @@ class PullWorker(RankEngines):
                   released.request_id, (time.monotonic() - began) * 1e3, released.reason)
         return True
 
+    def _drop_holds(self) -> set[str]:
+        held = set(self._held)
+        self._held.clear()
+        return held
+
     def start(self, orders: PullOrders) -> None:
-        """Carry out one step's orders; never waits for a peer."""
+        """Carry out one step's orders; never waits for a peer. While asleep (sleep mode)
+        holds are freed at once and loads fail (their blocks are recomputed)."""
         if orders.empty:
             return
+        if self.asleep:
+            log.warning("kvbridge: rank %d is asleep (vLLM sleep mode freed its KV cache): "
+                        "%d hold(s) freed, %d load(s) failed", self.rank, len(orders.holds),
+                        len(orders.loads))
         for h in orders.holds:
             if self.prefill is None:
                 self._free_now.add(h.request_id)
