@@ -7,7 +7,7 @@ transfer records (:func:`stats_delta`); vLLM merges the workers' mappings
 (:func:`merge_stats`) and logs their summary (:func:`reduce_stats`). The vLLM
 classes around this data live in :mod:`kvbridge.vllm.metrics`.
 
-Pure logic: no vLLM, no I/O.
+Pure logic: no vLLM, no I/O (besides a log line, :class:`WithoutParams`).
 """
 
 from __future__ import annotations
@@ -141,7 +141,7 @@ class WithoutParams:
         self.total += 1
         self._pending += 1
         (log.warning if self.total == 1 else log.debug)(
-            "request %s reached this decode (kv_consumer) engine without kv_transfer_params: "
+            "request %s reached this decode (consumer) engine without kv_transfer_params: "
             "its prompt is computed here%s", request_id,
             " (counted in vllm:kvbridge_num_requests_without_params_total; a router that drops "
             "kv_transfer_params shows there)" if self.total == 1 else "")
