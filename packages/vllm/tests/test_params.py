@@ -134,3 +134,21 @@ def test_the_parameters_are_records_built_not_patched() -> None:
     before = dict(params)
     decode_remote_prefill(params)
     assert params == before
+
+
+def test_vllm_router_prefill_request_is_a_prefill_request() -> None:
+    """vllm-router 0.1.17 sends the decode keys with null values on the prefill request."""
+    from kvbridge.vllm.params import route
+
+    sent = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+            "remote_block_ids": None, "remote_host": None, "remote_port": None}
+    assert is_prefill_request(sent) and not is_remote_prefill(sent)
+    assert route(sent).transfer and not route(sent).push
+    # a decode request whose optional keys are null parses as if they were absent
+    params = dict(encode_remote_prefill(_rp()), tp_size=None, remote_num_tokens=None,
+                  kvbridge_token=None, transfer_mode=None)
+    rp = decode_remote_prefill(params)
+    assert rp.tp_size == 1 and rp.num_tokens is None and rp.token == "" and rp.mode == "pull"
+    # a null required key is missing, and named
+    with pytest.raises(ParamsError, match="lacks remote_host"):
+        decode_remote_prefill(dict(encode_remote_prefill(_rp()), remote_host=None))

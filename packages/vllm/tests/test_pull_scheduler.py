@@ -235,3 +235,28 @@ def test_params_are_parsed_once_per_request(monkeypatch: pytest.MonkeyPatch) -> 
                num_prompt_tokens=40)
     assert d.matched_tokens("d-1", finish_prefill(p, "p-2"), 40, 0) == (39, True)
     assert len(calls) == 2
+
+
+# What vllm-router 0.1.17 (vLLM's Rust router, --vllm-pd-disaggregation) sends with a
+# prefill request, captured here: the keys of the decode parameters, null-valued.
+VLLM_ROUTER_PREFILL = {"do_remote_decode": True, "do_remote_prefill": False,
+                       "remote_engine_id": None, "remote_block_ids": None, "remote_host": None,
+                       "remote_port": None}
+
+
+def test_vllm_router_prefill_params_with_null_keys_hold_and_answer_as_usual() -> None:
+    """Null keys count as absent: the request is a prefill for a remote decode, its blocks
+    are held and its output carries usable decode parameters; a decode engine given them
+    (with the router's unknown keys beside) loads."""
+    p = prefill()
+    assert p.on_new_request("p-9", VLLM_ROUTER_PREFILL, 40) is False
+    assert p.matched_tokens("p-9", VLLM_ROUTER_PREFILL, 40, 0) == (0, False)
+    held, out = p.finished("p-9", VLLM_ROUTER_PREFILL, completed=True, block_ids=([7, 3, 9],),
+                           num_computed_tokens=40, num_prompt_tokens=40)
+    assert held is True and out is not None
+    assert [h.request_id for h in p.take_orders().holds] == ["p-9"]
+    assert out["remote_block_ids"] == [[7, 3, 9]] and out["remote_engine_id"] == "P"
+    d = decode()
+    forwarded = dict(out, router_hint=None)  # a router's own key, null
+    d.on_new_request("d-9", forwarded, 40)
+    assert d.matched_tokens("d-9", forwarded, 40, 0) == (39, True)  # all but the last

@@ -41,3 +41,23 @@ def test_two_workers_merge_and_reduce() -> None:
     red = reduce_stats(merged)
     assert red["Transfers"] == 3 and red["Throughput (GB/s)"] == pytest.approx(1.0)
     assert red["Failed handshakes"] == 2 and red["Handshakes"] == 0
+
+
+def test_requests_without_params_are_counted_on_consumers_only(caplog) -> None:
+    import logging
+
+    from kvbridge.vllm.stats import WithoutParams
+
+    d = WithoutParams(consumer=True)
+    with caplog.at_level(logging.DEBUG, logger="kvbridge.vllm"):
+        assert d.arrived("a", None) and d.arrived("b", {}) and d.arrived("c", {"x": 1})
+        assert d.arrived("n", {"do_remote_prefill": None})  # null is absent
+    assert not d.arrived("d", {"do_remote_prefill": True, "remote_host": "h"})
+    assert not d.arrived("p", {"do_remote_decode": True})  # a kv_both engine's prefill request
+    assert d.total == 4 and d.take() == {"requests_without_params": 4} and d.take() is None
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "without kv_transfer_params" in warnings[0].getMessage()
+    merged = merge_stats(empty_stats(), {"requests_without_params": 4})
+    assert not is_empty(merged) and reduce_stats(merged)["Requests without params"] == 4
+    p = WithoutParams(consumer=False)
+    assert not p.arrived("a", None) and p.take() is None

@@ -6,6 +6,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from .pool import Instance
+from .recompute import RecomputeMetrics
 
 #: Error kinds counted in ``kvbridge_router_errors_total{kind=...}``.
 ERROR_KINDS = (
@@ -55,6 +56,8 @@ class RouterMetrics:
                              ["role", "instance"], registry=r)
         for kind in ERROR_KINDS:
             self.errors.labels(kind=kind)
+        #: prefill answers without usable parameters, decode requests sent without them
+        self.recompute = RecomputeMetrics(r)
 
     def instance_changed(self, inst: Instance) -> None:
         self.in_flight.labels(role=inst.role, instance=inst.url).set(inst.in_flight)

@@ -132,8 +132,7 @@ class Proxy:
             if inst is None:
                 if len(self.prefill):
                     self.metrics.error("local_prefill")
-                    log.warning("request %s: no prefill instance left (tried %d); the decode "
-                                "instance prefills it locally", request_id, len(tried))
+                self.metrics.recompute.decode_without(request_id, len(tried))
                 return None
             tried.append(inst)
             params = await self._prefill_once(inst, req.endpoint, body, request_id, auth)
@@ -172,10 +171,9 @@ class Proxy:
                 params = resp.json().get("kv_transfer_params")
             except (ValueError, AttributeError):
                 why = f"answer is not a JSON object: {_short(resp.content)}"
-            else:
-                if not isinstance(params, dict) or not params:
-                    why = ("answer carries no kv_transfer_params: is the instance started with "
-                           "--kv-transfer-config and a producer role?")
+            else:  # counted there (silent recompute, made loud), logged below
+                why = self.metrics.recompute.prefill_answer(inst.url, params) or ""
+                if why:
                     params = None
         if params is None:
             inst.last_error = why

@@ -53,6 +53,7 @@ from kvbridge.vllm.pull.orders import PullOrders
 from kvbridge.vllm.rank_engines import RankEngines
 from kvbridge.vllm.registration import register_caches
 from kvbridge.vllm.side_channel import SideChannel
+from kvbridge.vllm.stats import WithoutParams
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -157,6 +158,8 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         self._sched: SchedulerMode | None = None
         self._side: SideChannel | None = None
         self._worker: RankEngines | None = None
+        #: requests this engine (a consumer) got without transfer parameters (scheduler side)
+        self._without_params = WithoutParams(self.roles.consumer)
         #: the mode's orders of a step with nothing to do (before any metadata is bound)
         self._no_orders = MODES[self.config.mode].no_orders
         if role == KVConnectorRole.SCHEDULER:
@@ -225,11 +228,14 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         return self._sched
 
     def on_new_request(self, request: Request) -> None:
-        """Scheduler, when a request is added. A decode request with kvbridge parameters
+        """Scheduler, when a request is added. On a consumer engine, a request without
+        transfer parameters is counted (it computes its prompt here: see
+        :class:`~kvbridge.vllm.stats.WithoutParams`). A decode request with kvbridge parameters
         is parsed now, and its handshake and lease renewals start with the next step. On
         a Mamba hybrid a prefill request drops its last prompt token: the state moved is
         the one before it, and the decode engine computes that token itself (a recurrent
         state cannot take the same token twice)."""
+        self._without_params.arrived(request.request_id, request.kv_transfer_params)
         if self._s().on_new_request(request.request_id, request.kv_transfer_params,
                                     request.num_prompt_tokens):
             shims.drop_last_prompt_token(request)
@@ -417,9 +423,11 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         """Worker, every step: this rank's transfer stats since the last call (None when
-        nothing happened, and on the scheduler side)."""
-        if self._worker is None:
-            return None
+        nothing happened). Scheduler, every step (vLLM merges both): the requests a consumer
+        engine got without transfer parameters since the last call."""
+        if self._worker is None:  # scheduler side: requests that came without parameters
+            counted = self._without_params.take()
+            return None if counted is None else KVBridgeStats(data=counted)
         data = self._worker.take_stats()
         return None if data is None else KVBridgeStats(data=data)
 

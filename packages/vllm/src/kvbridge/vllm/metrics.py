@@ -96,6 +96,11 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
                                              "token, malformed or without a valid proof."),
             "requests_done": counter("vllm:kvbridge_num_requests_done",
                                      "Decode-side requests whose KV arrived (per worker)."),
+            "requests_without_params": counter(
+                "vllm:kvbridge_num_requests_without_params",
+                "Requests a decode (kv_consumer or kv_both) engine got without "
+                "kv_transfer_params: computed locally, nothing loaded (a router that drops "
+                "the parameters shows here)."),
         }
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
@@ -107,6 +112,7 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
                                                  "failed_posts", "failed_timeouts"))
         if failed:
             self._counters["failed"][engine_idx].inc(failed)
-        for key in ("failed_handshakes", "expired_leases", "ignored_notifications", "requests_done"):
+        for key in ("failed_handshakes", "expired_leases", "ignored_notifications", "requests_done",
+                    "requests_without_params"):
             if d.get(key):
                 self._counters[key][engine_idx].inc(int(d[key]))

@@ -7,19 +7,24 @@ transfer records (:func:`stats_delta`); vLLM merges the workers' mappings
 (:func:`merge_stats`) and logs their summary (:func:`reduce_stats`). The vLLM
 classes around this data live in :mod:`kvbridge.vllm.metrics`.
 
-Pure logic: no vLLM, no I/O.
+Pure logic: no vLLM, no I/O (besides a log line, :class:`WithoutParams`).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
+
+from kvbridge.vllm.params import route
 
 if TYPE_CHECKING:
     from kvbridge.nixl import Stats
 
-__all__ = ["COUNTS", "OBSERVATIONS", "empty_stats", "is_empty", "merge_stats", "reduce_stats",
-           "stats_delta"]
+log = logging.getLogger("kvbridge.vllm")
+
+__all__ = ["COUNTS", "OBSERVATIONS", "WithoutParams", "empty_stats", "is_empty", "merge_stats",
+           "reduce_stats", "stats_delta"]
 
 #: list-valued keys: one observation per transfer (or handshake)
 OBSERVATIONS = ("transfer_duration", "post_duration", "bytes_transferred", "num_descriptors",
@@ -27,7 +32,7 @@ OBSERVATIONS = ("transfer_duration", "post_duration", "bytes_transferred", "num_
 #: int-valued keys: counts over the interval
 COUNTS = ("requests_done", "requests_failed", "failed_handshakes", "failed_transfers",
           "failed_posts", "failed_timeouts", "expired_leases", "released_requests",
-          "ignored_notifications", "renewed_leases")
+          "ignored_notifications", "renewed_leases", "requests_without_params")
 
 
 def empty_stats() -> dict[str, Any]:
@@ -109,3 +114,42 @@ def stats_delta(now: Stats, before: Stats) -> dict[str, int]:
         + diff("notifications_malformed") + diff("notifications_unauthenticated"),
         "renewed_leases": diff("leases_renewed"),
     }
+
+
+class WithoutParams:
+    """Requests a consumer (decode) engine was given without transfer parameters: each one
+    computes its whole prompt locally. A router that drops ``kv_transfer_params`` (or a
+    client that bypasses the router) shows here, not as a failure.
+
+    The scheduler half counts every new request (:meth:`arrived`) and vLLM takes the
+    interval's count with the scheduler's stats (:meth:`take`), as
+    ``requests_without_params`` (``vllm:kvbridge_num_requests_without_params_total``).
+    The first such request is logged as a warning, the others at debug level.
+    """
+
+    def __init__(self, consumer: bool) -> None:
+        self.consumer = consumer
+        self.total = 0
+        self._pending = 0
+
+    def arrived(self, request_id: str, params: Mapping[str, Any] | None) -> bool:
+        """Count ``request_id`` when this engine is a consumer and ``params`` ask for no
+        transfer (absent, empty, or neither ``do_remote_prefill`` nor ``do_remote_decode``);
+        True when it was counted."""
+        if not self.consumer or route(params).transfer:
+            return False
+        self.total += 1
+        self._pending += 1
+        (log.warning if self.total == 1 else log.debug)(
+            "request %s reached this decode (consumer) engine without kv_transfer_params: "
+            "its prompt is computed here%s", request_id,
+            " (counted in vllm:kvbridge_num_requests_without_params_total; a router that drops "
+            "kv_transfer_params shows there)" if self.total == 1 else "")
+        return True
+
+    def take(self) -> dict[str, Any] | None:
+        """The count since the last call, as stats data (None when it is 0)."""
+        if not self._pending:
+            return None
+        n, self._pending = self._pending, 0
+        return {"requests_without_params": n}
