@@ -17,13 +17,15 @@ single engine, to core 1):
 
   pull    1 prefill + 1 decode with KVBridgeConnector (pull) behind ``kvbridge router``;
   nixl    1 prefill + 1 decode with vLLM's NixlConnector (host settings) behind the router;
-  single  one engine alone, no connector, no router (the reference);
-  push    kvbridge's layer-by-layer push: ``kvbridge router`` cannot route push requests
-          (issue 22), so this row is reported as skipped.
+  push    1 prefill + 1 decode with KVBridgeConnector in push mode, each layer written as
+          vLLM computes it, behind ``kvbridge router --mode push``;
+  single  one engine alone, no connector, no router (the reference).
 
-For every P/D rate the decode server's /metrics must show transfer bytes that grew
-during that rate (and no failure counter rising), so a silent local recompute cannot
-pass: the check prints PASS/FAIL next to the figures. Figures only; no speed target.
+For every P/D rate the servers' /metrics must show transfer bytes that grew during
+that rate (and no failure counter rising), so a silent local recompute cannot pass:
+the check prints PASS/FAIL next to the figures. Pull and NixlConnector: the decode
+server's bytes and transfers; push: the bytes the prefill server wrote and the
+arrivals the decode server counted. Figures only; no speed target.
 """
 
 from __future__ import annotations
@@ -48,8 +50,10 @@ from proc_cpu import describe  # noqa: E402
 from served import (  # noqa: E402
     MODEL_NAME,
     SERVED_CONNECTOR,
+    SERVED_PUSH_CONNECTOR,
     Served,
     engine,
+    push_router_args,
     router,
     served_model,
     stop_all,
@@ -57,11 +61,14 @@ from served import (  # noqa: E402
 )
 
 SETUPS = ("pull", "push", "nixl", "single")
-PUSH_SKIPPED = "kvbridge router cannot route push requests (issue 22)"
-#: decode-side Prometheus samples: bytes moved, and counters that must not rise
+#: Prometheus samples (decode server's; ``prefill:`` names the prefill server's): bytes
+#: moved, transfers (push: arrivals), and counters that must not rise
 KV_METRICS = {
     "pull": ("vllm:kvbridge_bytes_transferred_sum", "vllm:kvbridge_xfer_time_seconds_count",
              ("vllm:kvbridge_num_failed_transfers_total", "vllm:kvbridge_num_expired_leases_total")),
+    "push": ("prefill:vllm:kvbridge_bytes_transferred_sum", "vllm:kvbridge_num_requests_done_total",
+             ("vllm:kvbridge_num_failed_transfers_total",
+              "prefill:vllm:kvbridge_num_failed_transfers_total")),
     "nixl": ("vllm:nixl_bytes_transferred_sum", "vllm:nixl_xfer_time_seconds_count",
              ("vllm:nixl_num_failed_transfers_total", "vllm:nixl_num_kv_expired_reqs_total")),
 }
@@ -86,13 +93,14 @@ def start_setup(setup: str, model: Path, workdir: Path, pinned: bool) -> tuple[l
         e.start()
         wait_ready([e], 600)
         return [e], e
-    connector = SERVED_CONNECTOR if setup == "pull" else replace(NIXL_CONNECTOR_HOST,
-                                                                  kv_load_failure_policy="recompute")
+    connector = {"pull": SERVED_CONNECTOR, "push": SERVED_PUSH_CONNECTOR}.get(setup) or replace(
+        NIXL_CONNECTOR_HOST, kv_load_failure_policy="recompute")
     p = engine(f"{setup}-prefill", model, "prefill", workdir, connector=connector, cpus=p_cpus)
     d = engine(f"{setup}-decode", model, "decode", workdir, connector=connector, cpus=d_cpus)
     servers = [p.start(), d.start()]
     wait_ready(servers, 900)
-    r = router([p], [d], workdir, name=f"{setup}-router").start()
+    r = router([p], [d], workdir, name=f"{setup}-router",
+               extra_args=push_router_args([p]) if setup == "push" else ()).start()
     servers.append(r)
     wait_ready([r], 120)
     return servers, r
@@ -135,9 +143,17 @@ def kv_check(setup: str, before: dict[str, float], after: dict[str, float]) -> d
                   + (f"; {bad}" if bad else "") + ")"}
 
 
+def kv_snapshot(servers: list[Served]) -> dict[str, float]:
+    """The decode server's samples, and the prefill server's prefixed ``prefill:``."""
+    out: dict[str, float] = {}
+    for s in servers:
+        role = s.extra.get("role")
+        if role in ("prefill", "decode"):
+            out.update({(f"prefill:{k}" if role == "prefill" else k): v for k, v in s.metrics().items()})
+    return out
+
+
 def run_setup(setup: str, model: Path, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
-    if setup == "push":
-        return {"setup": setup, "skipped": PUSH_SKIPPED}
     t0 = time.monotonic()
     servers: list[Served] = []
     res: dict[str, Any] = {"setup": setup, "rates": []}
@@ -149,13 +165,13 @@ def run_setup(setup: str, model: Path, args: argparse.Namespace, workdir: Path) 
         res["idle_cpu"] = describe({s.name: s.proc.pid for s in servers if s.proc}, 2.0, 4)
         print("\n".join(f"[{setup}] idle {ln}" for ln in res["idle_cpu"]), flush=True)
         for rate in args.rates:
-            before = decode.metrics() if decode else {}
+            before = kv_snapshot(servers)
             load0 = load_average()
             out = bench_serve(front.url, model, rate, args, workdir / setup / f"rate-{rate:g}.json")
             time.sleep(0.5)  # the last request's stats reach /metrics
             row = {"rate": rate, "load": f"{load0} -> {load_average()}",
                    **{k: out.get(k) for k in FIGURES},
-                   **kv_check(setup if decode else "single", before, decode.metrics() if decode else {})}
+                   **kv_check(setup if decode else "single", before, kv_snapshot(servers))}
             res["rates"].append(row)
             print(f"[{setup}] rate {rate:g}/s: {row['completed']} done, {row['failed']} failed, TTFT p50 "
                   f"{row['median_ttft_ms']:.1f} p99 {row['p99_ttft_ms']:.1f} ms, ITL p50 "
@@ -175,7 +191,7 @@ def run_setup(setup: str, model: Path, args: argparse.Namespace, workdir: Path) 
 def print_table(meta: dict[str, Any], results: list[dict[str, Any]]) -> None:
     print(f"\n== vllm bench serve through kvbridge router: {meta['load_desc']} ==")
     print(f"{meta['started']}; load {meta['load_start']} -> {meta.get('load_end')}; {meta['wall_s']:.0f} s")
-    print("| setup | rate (req/s) | done | TTFT p50 | TTFT p99 | ITL p50 | output tok/s | KV moved (decode /metrics) | load |")
+    print("| setup | rate (req/s) | done | TTFT p50 | TTFT p99 | ITL p50 | output tok/s | KV moved (/metrics) | load |")
     print("|---|---:|---:|---:|---:|---:|---:|---|---|")
     for res in results:
         if res.get("skipped") or res.get("failed"):

@@ -28,6 +28,7 @@ from e2e_harness import (
     ConnectorUnderTest,
     e2e_python,
     free_port,
+    kvbridge_push,
     missing_env_reason,
     stop_process_group,
 )
@@ -37,6 +38,8 @@ MODEL_NAME = "tiny"
 #: Decode instances recompute locally when a pull fails (a prefill instance died between
 #: its answer and the pull): the request is slower, never lost. See docs/serving.md.
 SERVED_CONNECTOR: ConnectorUnderTest = replace(KVBRIDGE_CONNECTOR, kv_load_failure_policy="recompute")
+#: The same in push mode, each layer written as vLLM computes it (``push_layerwise``).
+SERVED_PUSH_CONNECTOR: ConnectorUnderTest = replace(kvbridge_push(), kv_load_failure_policy="recompute")
 
 
 def served_model(kv_heads: int = 2, *, layers: int = 2, vocab: int = 1024, seed: int = 0,
@@ -219,8 +222,9 @@ def engine(name: str, model: Path, role: str, workdir: Path, *, tp: int = 1, cpu
 
 
 def router(prefill: Sequence[Served], decode: Sequence[Served], workdir: Path, *,
-           name: str = "router") -> Served:
-    """The ``kvbridge router`` command of the e2e environment in front of the engines."""
+           name: str = "router", extra_args: Sequence[str] = ()) -> Served:
+    """The ``kvbridge router`` command of the e2e environment in front of the engines
+    (``extra_args`` come last, so they override the defaults here)."""
     py = e2e_python()
     if py is None:
         raise RuntimeError(missing_env_reason() or "no e2e python")
@@ -231,9 +235,16 @@ def router(prefill: Sequence[Served], decode: Sequence[Served], workdir: Path, *
     argv = cmd + ["--prefill", *[p.url for p in prefill], "--decode", *[d.url for d in decode],
                   "--host", HOST, "--port", str(port), "--prefill-timeout", "180",
                   "--decode-timeout", "300", "--health-interval", "1", "--health-timeout", "30",
-                  "--log-level", "info"]
+                  "--log-level", "info", *extra_args]
     workdir.mkdir(parents=True, exist_ok=True)
     return Served(name, port, argv, {"PYTHONUNBUFFERED": "1"}, workdir / f"{name}.log")
+
+
+def push_router_args(prefill: Sequence[Served]) -> list[str]:
+    """``kvbridge router`` flags for push mode: each prefill engine's side channel, as
+    :func:`engine` configured it."""
+    return ["--mode", "push", "--prefill-side-channel",
+            *[f"{p.url}={HOST}:{p.env['KVBRIDGE_SIDE_CHANNEL_PORT']}" for p in prefill]]
 
 
 def completion_body(prompt: str, max_tokens: int, **extra: Any) -> dict[str, Any]:

@@ -61,3 +61,8 @@ def test_serving_kv_check_needs_bytes_and_no_failures() -> None:
     failed = srv.kv_check("nixl", {}, {srv.KV_METRICS["nixl"][0]: 1.0, srv.KV_METRICS["nixl"][2][0]: 1.0})
     assert failed["kv"].startswith("FAIL")
     assert srv.kv_check("single", {}, {})["kv"].startswith("n/a")
+    # push: the prefill server's written bytes, the decode server's arrivals and failures
+    b, n, (d_failed, p_failed) = srv.KV_METRICS["push"]
+    assert b.startswith("prefill:") and p_failed.startswith("prefill:") and not d_failed.startswith("prefill:")
+    assert srv.kv_check("push", {}, {b: 4096.0, n: 2.0})["kv"].startswith("PASS (2 transfers")
+    assert srv.kv_check("push", {}, {b: 4096.0, n: 2.0, p_failed: 1.0})["kv"].startswith("FAIL")

@@ -171,6 +171,9 @@ def test_an_offer_to_a_dead_prefill_fails_the_load_with_its_blocks(engines) -> N
     assert orders.failed == (("d-4", ((5, 6),)),)
     assert res.failed_recving == {"d-4"} and res.finished_recving == {"d-4"}
     assert d.worker.take_invalid_blocks() == {5, 6}
+    # counted as a failed handshake, as pull mode counts one with a dead prefill engine
+    stats = d.worker.take_stats()
+    assert stats["failed_handshakes"] == 1 and stats["requests_failed"] == 1
 
 
 def test_a_prefill_request_without_an_offer_is_computed_after_the_wait(engines) -> None:

@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from .config import ConfigError, RouterConfig, config_from_mapping, load_config
+from .config import MODES, ConfigError, RouterConfig, config_from_mapping, load_config
 
 
 def build_parser(prog: str = "kvbridge router") -> argparse.ArgumentParser:
@@ -41,6 +41,15 @@ def build_parser(prog: str = "kvbridge router") -> argparse.ArgumentParser:
     p.add_argument("--unhealthy-after", type=int, default=None, dest="unhealthy_after",
                    metavar="N", help="failed /health probes in a row that take an instance out of "
                    "rotation (default 3; a request that cannot connect takes it out at once)")
+    p.add_argument("--mode", choices=MODES, default=None,
+                   help="the engines' kvbridge transfer mode: pull (default: prefill, then decode "
+                   "reads the KV) or push (both requests at once, prefill writes into decode's "
+                   "blocks; see docs/serving.md)")
+    p.add_argument("--prefill-side-channel", nargs="+", metavar="URL=HOST:PORT", default=None,
+                   dest="prefill_side_channels",
+                   help="push mode: a prefill instance's kvbridge side channel "
+                   "(side_channel_host:side_channel_port), e.g. http://10.0.0.5:8100=10.0.0.5:5600; "
+                   "an instance not listed uses its URL's host and port 5600")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--check", action="store_true",
@@ -51,7 +60,9 @@ def build_parser(prog: str = "kvbridge router") -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
     overrides = {k: getattr(args, k) for k in (
         "host", "port", "connect_timeout_s", "prefill_timeout_s", "decode_timeout_s",
-        "health_interval_s", "health_timeout_s", "unhealthy_after")}
+        "health_interval_s", "health_timeout_s", "unhealthy_after", "mode")}
+    if args.prefill_side_channels is not None:
+        overrides["prefill_side_channels"] = side_channel_args(args.prefill_side_channels)
     if args.prefill is not None:
         overrides["prefill"] = tuple(args.prefill)
     if args.decode is not None:
@@ -63,6 +74,18 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
                           "or --config FILE")
     data = {k: v for k, v in overrides.items() if v is not None}
     return config_from_mapping(data, "command line")
+
+
+def side_channel_args(items: list[str]) -> dict[str, str]:
+    """``URL=HOST:PORT`` arguments as a mapping (checked by RouterConfig)."""
+    out = {}
+    for item in items:
+        url, sep, where = item.rpartition("=")
+        if not sep or not url or not where:
+            raise ConfigError(f"--prefill-side-channel {item!r} must be URL=HOST:PORT, e.g. "
+                              "http://10.0.0.5:8100=10.0.0.5:5600")
+        out[url] = where
+    return out
 
 
 def router_command(argv: list[str], prog: str = "kvbridge router") -> int:
@@ -85,9 +108,12 @@ def router_command(argv: list[str], prog: str = "kvbridge router") -> int:
         logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.getLogger().level))
     from .app import serve
 
-    print(f"kvbridge router on http://{config.host}:{config.port}: prefill "
-          f"{', '.join(config.prefill) or '(none: decode prefills locally)'}; decode "
-          f"{', '.join(config.decode)}", flush=True)
+    prefill = ", ".join(config.prefill) or "(none: decode prefills locally)"
+    if config.mode == "push":
+        prefill = ", ".join(f"{u} (side channel {':'.join(map(str, config.side_channel(u)))})"
+                            for u in config.prefill) or prefill
+    print(f"kvbridge router ({config.mode} mode) on http://{config.host}:{config.port}: prefill "
+          f"{prefill}; decode {', '.join(config.decode)}", flush=True)
     serve(config, log_level=args.log_level)
     return 0
 

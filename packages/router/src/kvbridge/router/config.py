@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -30,6 +30,13 @@ class RouterConfig:
     probe. ``health_interval_s`` is the pause between probe rounds;
     ``unhealthy_after`` failed probes in a row take an instance out of rotation
     (a request that cannot connect takes it out at once).
+
+    ``mode`` is the engines' kvbridge transfer mode: ``"pull"`` (prefill first, then
+    decode with the prefill's answer) or ``"push"`` (both at once, see
+    :mod:`kvbridge.router.push`). In push mode the decode engine needs each prefill
+    engine's side channel: ``prefill_side_channels`` maps a prefill URL to
+    ``"host:port"``; a prefill URL not listed uses its own host and port
+    :data:`DEFAULT_SIDE_CHANNEL_PORT` (kvbridge's default ``side_channel_port``).
     """
 
     prefill: tuple[str, ...]
@@ -44,10 +51,27 @@ class RouterConfig:
     unhealthy_after: int = 3
     max_connections: int = 1024
     max_body_bytes: int = 16 * 1024 * 1024
+    mode: str = "pull"
+    prefill_side_channels: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prefill", tuple(normalize_url(u, "--prefill") for u in self.prefill))
         object.__setattr__(self, "decode", tuple(normalize_url(u, "--decode") for u in self.decode))
+        if self.mode not in MODES:
+            raise ConfigError(f"mode must be one of {', '.join(MODES)} (the engines' kvbridge "
+                              f"'mode'), got {self.mode!r}")
+        if not isinstance(self.prefill_side_channels, Mapping):
+            raise ConfigError("prefill_side_channels must map prefill URLs to 'host:port'")
+        channels = {}
+        for url, where in self.prefill_side_channels.items():
+            u = normalize_url(url, "--prefill-side-channel")
+            if u not in self.prefill:
+                raise ConfigError(f"--prefill-side-channel names {u}, which is not a prefill "
+                                  f"instance ({', '.join(self.prefill) or 'none'}); list it "
+                                  "with --prefill too")
+            host, port = parse_side_channel(where)
+            channels[u] = f"{host}:{port}" if ":" not in host else f"[{host}]:{port}"
+        object.__setattr__(self, "prefill_side_channels", channels)
         if not self.decode:
             raise ConfigError("at least one decode instance is needed: pass --decode URL")
         for urls, flag in ((self.prefill, "--prefill"), (self.decode, "--decode")):
@@ -70,9 +94,41 @@ class RouterConfig:
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ConfigError(f"{f} must be a positive integer, got {v!r}")
 
+    def side_channel(self, prefill_url: str) -> tuple[str, int]:
+        """The side channel (host, port) of the prefill instance at ``prefill_url``, which a
+        push-mode decode request names (configured, or the URL's host and port 5600)."""
+        where = self.prefill_side_channels.get(prefill_url)
+        if where is not None:
+            return parse_side_channel(where)
+        host = urlsplit(prefill_url).hostname or "127.0.0.1"
+        return host, DEFAULT_SIDE_CHANNEL_PORT
+
     def with_overrides(self, **changes: Any) -> RouterConfig:
         """A copy with some fields changed (``None`` values are ignored)."""
         return replace(self, **{k: v for k, v in changes.items() if v is not None})
+
+
+#: transfer modes of the engines (kvbridge's connector setting ``mode``)
+MODES = ("pull", "push")
+#: kvbridge's default ``side_channel_port`` on prefill engines
+DEFAULT_SIDE_CHANNEL_PORT = 5600
+
+
+def parse_side_channel(where: str) -> tuple[str, int]:
+    """``"host:port"`` (``"[v6]:port"`` for IPv6) as (host, port); raises ConfigError."""
+    if not isinstance(where, str) or ":" not in where:
+        raise ConfigError(f"side channel {where!r} must be 'host:port' (the prefill engine's "
+                          "side_channel_host and side_channel_port), e.g. 10.0.0.5:5600")
+    host, _, port_s = where.strip().rpartition(":")
+    host = host.strip("[]")
+    try:
+        port = int(port_s)
+    except ValueError:
+        port = -1
+    if not host or not 1 <= port <= 65535:
+        raise ConfigError(f"side channel {where!r} must be 'host:port' with a port in 1..65535, "
+                          "e.g. 10.0.0.5:5600")
+    return host, port
 
 
 def normalize_url(url: str, flag: str = "instance") -> str:
@@ -107,6 +163,10 @@ def config_from_mapping(data: Mapping[str, Any], where: str = "config") -> Route
     if unknown:
         raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}; valid: {', '.join(sorted(_FIELDS))}")
     kw = dict(data)
+    channels = kw.get("prefill_side_channels", {})
+    if not isinstance(channels, Mapping):
+        raise ConfigError(f"{where}: prefill_side_channels must be an object mapping prefill "
+                          "URLs to 'host:port'")
     for role in ("prefill", "decode"):
         v = kw.get(role, ())
         if isinstance(v, str) or not isinstance(v, Sequence):

@@ -16,6 +16,7 @@ ERROR_KINDS = (
     "prefill_timeout",    # a prefill instance did not answer in time; retried elsewhere
     "prefill_unreachable",  # connection to a prefill instance failed; retried elsewhere
     "local_prefill",      # no prefill instance left: the decode instance prefilled itself
+    "push_failed",        # push mode: a prefill answered without pushing (no offer came)
     "decode_failed",      # the decode instance failed (error to the client)
     "decode_timeout",     # the decode instance did not finish in time (error to the client)
     "decode_unreachable",  # connection to a decode instance failed; another one was tried

@@ -1,6 +1,7 @@
 """The request path: prefill on one instance, decode on another, answer the client.
 
-Failure policy:
+Pull mode here; push mode (both requests at once) in :mod:`.push`. Failure policy
+of pull mode:
 
 * a prefill instance that fails (5xx, unreachable, an answer without
   ``kv_transfer_params``) or times out: the request goes to the next prefill
@@ -30,6 +31,7 @@ import httpx
 from .config import RouterConfig
 from .metrics import RouterMetrics
 from .pool import Instance, Pool
+from .push import PREFILL_GRACE_S, new_transfer_id, push_decode_params, push_prefill_body, pushed
 from .requests import ClientRequest, decode_body, error_body, prefill_body
 
 log = logging.getLogger("kvbridge.router")
@@ -111,6 +113,9 @@ class Proxy:
     async def handle(self, req: ClientRequest, request_id: str, auth: str | None, send: Send) -> None:
         """Answer one checked request on ``send`` (errors included)."""
         try:
+            if self.config.mode == "push":
+                await self.run_push(req, request_id, auth, send)
+                return
             params = await self.run_prefill(req, request_id, auth)
             await self.run_decode(req, params, request_id, auth, send)
         except UpstreamReply as r:
@@ -140,7 +145,11 @@ class Proxy:
                 return params
 
     async def _prefill_once(self, inst: Instance, endpoint: str, body: dict[str, Any],
-                            request_id: str, auth: str | None) -> dict[str, Any] | None:
+                            request_id: str, auth: str | None, *,
+                            push: bool = False) -> dict[str, Any] | None:
+        """The answer's ``kv_transfer_params``; None when ``inst`` failed (counted, logged).
+        ``push``: an answer without parameters is no failure (its push did not happen:
+        :mod:`.push` judges it) and gives ``{}``."""
         t0 = time.monotonic()
         with self.prefill.using(inst):
             try:
@@ -171,10 +180,14 @@ class Proxy:
                 params = resp.json().get("kv_transfer_params")
             except (ValueError, AttributeError):
                 why = f"answer is not a JSON object: {_short(resp.content)}"
-            else:  # counted there (silent recompute, made loud), logged below
-                why = self.metrics.recompute.prefill_answer(inst.url, params) or ""
-                if why:
-                    params = None
+            else:
+                if push:  # push answers carry no pull keys; the decode engine got the KV
+                    if not isinstance(params, dict):
+                        params = {}
+                else:  # counted there (silent recompute, made loud), logged below
+                    why = self.metrics.recompute.prefill_answer(inst.url, params) or ""
+                    if why:
+                        params = None
         if params is None:
             inst.last_error = why
             self.metrics.error("prefill_failed")
@@ -185,6 +198,68 @@ class Proxy:
         if self.prefill.mark_ok(inst):
             log.info("prefill instance %s answered a request: back in rotation", inst.url)
         return params
+
+    # ------------------------------------------------------------------ push
+
+    async def run_push(self, req: ClientRequest, request_id: str, auth: str | None,
+                       send: Send) -> None:
+        """Push mode: the prefill and the decode request at once (failure policy in
+        :mod:`.push`)."""
+        inst = self.prefill.choose()
+        if inst is None:
+            if len(self.prefill):
+                self.metrics.error("local_prefill")
+                log.warning("request %s: no prefill instance in rotation; the decode instance "
+                            "prefills it locally", request_id)
+            await self.run_decode(req, None, request_id, auth, send)
+            return
+        tid = new_transfer_id()
+        host, port = self.config.side_channel(inst.url)
+        prefill_done = anyio.Event()
+
+        async def prefill() -> None:
+            try:
+                await self._push_prefill(inst, req, tid, request_id, auth)
+            finally:
+                prefill_done.set()
+
+        failure: Exception | None = None  # the decode's error answer, raised once prefill stopped
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(prefill)
+            try:
+                await self.run_decode(req, push_decode_params(tid, host, port), request_id, auth,
+                                      send)
+            except (UpstreamReply, RouterError) as e:
+                failure = e
+            else:
+                with anyio.move_on_after(PREFILL_GRACE_S):
+                    await prefill_done.wait()
+                if not prefill_done.is_set():
+                    log.warning("request %s: decode answered but prefill on %s did not within "
+                                "%.0f s of it; cancelling the prefill request", request_id,
+                                inst.url, PREFILL_GRACE_S)
+            tg.cancel_scope.cancel()
+        if failure is not None:
+            raise failure
+
+    async def _push_prefill(self, inst: Instance, req: ClientRequest, tid: str, request_id: str,
+                            auth: str | None) -> None:
+        """The prefill half of a push; failures are counted and logged, never raised (the
+        decode engine's kv_load_failure_policy covers the request)."""
+        try:
+            params = await self._prefill_once(inst, req.endpoint, push_prefill_body(req, tid),
+                                              request_id, auth, push=True)
+        except UpstreamReply as r:  # the decode instance refuses the same request
+            self.metrics.error("upstream_4xx")
+            log.warning("request %s: prefill on %s refused it (HTTP %d)", request_id, inst.url,
+                        r.status)
+            return
+        if params is not None and not pushed(params):
+            self.metrics.error("push_failed")
+            log.warning("request %s: prefill on %s computed the prompt without pushing it "
+                        "(kv_transfer_params %s): the decode engine's offer never came, so it "
+                        "recomputes or fails per its kv_load_failure_policy", request_id,
+                        inst.url, params)
 
     # ------------------------------------------------------------------ decode
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 
 from kvbridge.nixl import DecodeEngine, PrefillEngine
-from kvbridge.topology import Released
+from kvbridge.topology import FailureKind, Released
 from kvbridge.vllm.push.orders import PushOrder, PushOrders
 from kvbridge.vllm.rank_engines import RankEngines
 
@@ -91,7 +91,9 @@ class PushWorker(RankEngines):
             except ValueError as exc:
                 log.error("kvbridge: cannot expect request %s: %s", e.request_id, exc)
                 self._load_failed(e.request_id, e.local_block_ids)
-        for rid, blocks in orders.failed:
+        for rid, blocks in orders.failed:  # its offer, push mode's handshake, failed
+            if dec is not None:  # counted as pull mode counts a failed handshake
+                dec.stats.fail(FailureKind.HANDSHAKE.value)
             self._load_failed(rid, blocks)
 
     def save_layer(self, layer_name: str, orders: PushOrders) -> None:
