@@ -278,6 +278,9 @@ def test_killed_prefill_decode_recomputes_and_later_requests_prefill_locally(pus
     assert r.json()["choices"][0]["text"] == "later|local"
     assert "kv_transfer_params" not in c.decode.bodies[-1]
     assert c.errors("local_prefill") == 1
+    # the recompute is loud: counted as a decode request sent without parameters
+    assert c.router.metrics.registry.get_sample_value(
+        "kvbridge_router_decode_without_params_total", {}) == 1
 
 
 def test_a_prefill_that_answers_without_pushing_is_counted(push_cluster):

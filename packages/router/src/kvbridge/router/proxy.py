@@ -209,8 +209,7 @@ class Proxy:
         if inst is None:
             if len(self.prefill):
                 self.metrics.error("local_prefill")
-                log.warning("request %s: no prefill instance in rotation; the decode instance "
-                            "prefills it locally", request_id)
+            self.metrics.recompute.decode_without(request_id, 0)
             await self.run_decode(req, None, request_id, auth, send)
             return
         tid = new_transfer_id()
