@@ -11,9 +11,17 @@ from types import SimpleNamespace
 import pytest
 import vllm_shapes as vs
 
-from kvbridge.topology import ConvLayout, EngineSpec, Layout, TopologyError, check_compatible
+from kvbridge.topology import (
+    ConvLayout,
+    EngineSpec,
+    GroupKind,
+    Layout,
+    TopologyError,
+    check_compatible,
+)
 from kvbridge.vllm import ConnectorConfig, register_caches
 from kvbridge.vllm.cachespec import CacheShapeError
+from kvbridge.vllm.kv_cache_groups import GroupFacts, mamba_spec_for
 from kvbridge.vllm.mamba_layers import (
     MambaLayerGeometry,
     layer_geometry,
@@ -73,6 +81,10 @@ def test_gated_delta_net_maps_value_heads_and_key_groups() -> None:
     assert geo.state_shapes(dim_first=True) == (((2 * 2 * 64 + 4 * 128) // 2, 3), (2, 128, 64))
     m = _spec(layer, tp=2, dtypes=("bf16", "bf16"))
     assert (m.ssm_heads, m.ssm_head_dim, m.state_size, m.n_groups) == (4, 128, 64, 2)
+    # the shapes-only fallback reads vLLM's GDN state the same way
+    facts = GroupFacts(GroupKind.MAMBA, ("m",), 512, state_shapes=geo.state_shapes(dim_first=True),
+                       state_dtypes=("bf16", "bf16"), mamba_type="GDN_ATTN")
+    assert mamba_spec_for(facts, tp_size=2, dim_first=True) == m
 
 
 def test_layers_that_disagree_with_vllms_cache_spec_are_refused() -> None:
