@@ -150,6 +150,11 @@ def _mamba_spec(groups: tuple[GroupFacts, ...], vllm_config: Any, tp_size: int,
             raise CacheShapeError(f"vLLM's Mamba layers {missing[:3]} cannot be described (other "
                                   f"layer classes than {sorted({type(x).__name__ for x in layers.values()})})")
         g = mamba[0]
+        geo = next(iter(layers.values()))
+        log.info("kvbridge: Mamba geometry from vLLM's %d %s layers: %d heads of %d, %d B/C "
+                 "group(s)%s, state %d, TP %d", len(layers), geo.mamba_type, geo.heads,
+                 geo.head_dim, geo.n_groups, " (replicated on every rank)" if geo.replicated else "",
+                 geo.state_size, geo.tp_size)
         return mamba_spec_from_layers(layers, tp_size=tp_size, state_shapes=g.state_shapes,
                                       state_dtypes=g.state_dtypes, mamba_type=g.mamba_type,
                                       dim_first=conv_dim_first)
