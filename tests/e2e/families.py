@@ -3,7 +3,7 @@ scenarios every family module runs (imports neither vLLM nor torch).
 
 Each family module (test_family_*.py) keeps one :class:`~engine_pool.EnginePool` and
 runs, in file order: vLLM's NixlConnector as the reference (P/D equals the decode
-engine's own run, first and steady TTFT), then KVBridgeConnector on the same model
+engine's own run, first and steady TTFT; left out where ``nixl_reference`` is False), then KVBridgeConnector on the same model
 and prompts (equal to its decode engine's own run and to the reference's baseline),
 the negative control (prefill with random weights), and the failure case (prefill
 killed before the pull). :data:`FIGURES` collects the TTFTs; :func:`print_comparison`
