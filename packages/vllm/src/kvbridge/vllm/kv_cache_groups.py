@@ -144,11 +144,13 @@ def cache_groups(groups: Sequence[GroupFacts], layer_names: Sequence[str]) -> tu
 
 def mamba_spec_for(g: GroupFacts, *, tp_size: int, dim_first: bool,
                    n_groups: int | None = None) -> MambaSpec:
-    """The unsharded :class:`MambaSpec` of a Mamba group from one rank's state shapes.
+    """The unsharded :class:`MambaSpec` of a Mamba group from one rank's state shapes alone
+    (the fallback when vLLM's layer objects cannot be read: :mod:`kvbridge.vllm.mamba_layers`).
 
     ``dim_first``: vLLM's conv state layout is DS (``[conv_dim, width]``, chosen with
     ``VLLM_SSM_CONV_STATE_LAYOUT=DS``) rather than SD. ``n_groups``: the model's B/C
-    group count when known (needed when groups are replicated over TP ranks).
+    group count when known (needed when groups are replicated over TP ranks; the shapes
+    cannot tell a replicated group from sharded ones).
 
     Mamba-2: conv ``x | B | C`` channels and SSM ``[heads, head_dim, state]``. Gated
     delta-net is described with the same pieces (the V channels and value heads as
@@ -163,11 +165,8 @@ def mamba_spec_for(g: GroupFacts, *, tp_size: int, dim_first: bool,
         )
     conv, ssm = g.state_shapes
     conv_dim, width = conv if dim_first else conv[::-1]
-    heads_local, a, b = ssm
-    if g.mamba_type == "GDN_ATTN":
-        head_dim, state = b, a  # SSM [v_heads, k_dim, v_dim]: x <- V (v_dim), B/C <- Q/K (k_dim)
-    else:
-        head_dim, state = a, b
+    # GDN's SSM state is [value heads, value dim, key dim] (vLLM 0.32): x <- V, B/C <- Q/K
+    heads_local, head_dim, state = ssm
     rest = conv_dim - heads_local * head_dim
     if rest <= 0 or rest % (2 * state):
         raise CacheShapeError(

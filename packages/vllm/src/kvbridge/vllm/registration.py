@@ -13,6 +13,7 @@ in :mod:`kvbridge.vllm.cachespec`, and its configuration facts here.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
@@ -45,9 +46,12 @@ from kvbridge.vllm.kv_cache_groups import (
     mamba_spec_for,
     split_mamba_state,
 )
+from kvbridge.vllm.mamba_layers import mamba_layer_geometry, mamba_spec_from_layers
 
 if TYPE_CHECKING:
     import torch
+
+log = logging.getLogger("kvbridge.vllm")
 
 __all__ = ["Registration", "configured_cache_dtype", "engine_config", "model_facts", "register_caches"]
 
@@ -121,7 +125,14 @@ def engine_config(cfg: ConnectorConfig, *, mem_type: str, model: str,
 
 def _mamba_spec(groups: tuple[GroupFacts, ...], vllm_config: Any, tp_size: int,
                 conv_dim_first: bool) -> MambaSpec | None:
-    """One MambaSpec for every Mamba group (they must agree), or None without any."""
+    """One MambaSpec for every Mamba group (they must agree), or None without any.
+
+    The geometry is what vLLM computed for this engine: its Mamba layer objects
+    (:mod:`kvbridge.vllm.mamba_layers`), checked against the KV-cache spec's state
+    shapes. Without them (a layer class kvbridge cannot read), the state shapes alone
+    describe it: exact at TP 1; at a larger TP one group per rank is taken as sharded
+    groups, so an engine whose single group vLLM replicates then moves state between
+    equal TP sizes only (the handshake refuses another TP size, naming the groups)."""
     mamba = [g for g in groups if g.kind is GroupKind.MAMBA]
     if not mamba:
         return None
@@ -131,12 +142,26 @@ def _mamba_spec(groups: tuple[GroupFacts, ...], vllm_config: Any, tp_size: int,
             f"the model's Mamba groups hold states of different shapes {sorted(kinds)}; "
             "KVBridgeConnector moves one Mamba state shape per engine"
         )
-    hf = vllm_config.model_config.hf_config
-    n_groups = None
-    if mamba[0].mamba_type == "MAMBA2":
-        n_groups = next((int(v) for a in ("mamba_n_groups", "n_groups", "ssm_n_groups")
-                         if isinstance(v := getattr(hf, a, None), int)), None)
-    return mamba_spec_for(mamba[0], tp_size=tp_size, dim_first=conv_dim_first, n_groups=n_groups)
+    names = [n for g in mamba for n in g.layer_names]
+    layers = mamba_layer_geometry(vllm_config, names)
+    if layers:
+        missing = [n for n in names if n not in layers]
+        if missing:
+            raise CacheShapeError(f"vLLM's Mamba layers {missing[:3]} cannot be described (other "
+                                  f"layer classes than {sorted({type(x).__name__ for x in layers.values()})})")
+        g = mamba[0]
+        geo = next(iter(layers.values()))
+        log.info("kvbridge: Mamba geometry from vLLM's %d %s layers: %d heads of %d, %d B/C "
+                 "group(s)%s, state %d, TP %d", len(layers), geo.mamba_type, geo.heads,
+                 geo.head_dim, geo.n_groups, " (replicated on every rank)" if geo.replicated else "",
+                 geo.state_size, geo.tp_size)
+        return mamba_spec_from_layers(layers, tp_size=tp_size, state_shapes=g.state_shapes,
+                                      state_dtypes=g.state_dtypes, mamba_type=g.mamba_type,
+                                      dim_first=conv_dim_first)
+    if tp_size > 1:
+        log.warning("kvbridge: vLLM's Mamba layers %s are not readable; their geometry is taken "
+                    "from the KV-cache state shapes (heterogeneous TP may be refused)", names[:2])
+    return mamba_spec_for(mamba[0], tp_size=tp_size, dim_first=conv_dim_first)
 
 
 def register_caches(vllm_config: Any, kv_cache_config: Any, kv_caches: Mapping[str, Any],
