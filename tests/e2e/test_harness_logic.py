@@ -203,3 +203,16 @@ def test_engine_defs_need_a_connector_exactly_for_prefill_and_decode() -> None:
     env = EngineConfig(cpus="nobind", in_process=True).env()
     assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0" and env["OMP_NUM_THREADS"] == "1"
     assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in EngineConfig().env()
+
+
+def test_load_span_runs_from_first_queued_to_last_scheduled() -> None:
+    """bench_vllm's round load time (issue 23): first request queued at decode -> last scheduled;
+    requests without both timestamps are left out, and none at all gives no figure."""
+    _targets()  # puts bench/ on sys.path
+    from bench_vllm import load_span_s
+
+    outs = [{"metrics": {"queued_ts": 10.0, "scheduled_ts": 10.5}},
+            {"metrics": {"queued_ts": 10.2, "scheduled_ts": 11.25}},
+            {"metrics": {"queued_ts": 9.0}}, {}]
+    assert load_span_s(outs) == 1.25
+    assert load_span_s([{}, {"metrics": {"queued_ts": 1.0}}]) is None
