@@ -14,6 +14,9 @@ decode engine:
   * mean queued -> scheduled time in the decode scheduler (the load's wait,
     without the front end and the forward pass, which CPU contention inflates);
   * transfer count, seconds, bytes and GB/s (the connector's own metrics);
+  * load GB/s: the round's bytes over its load time as issue 23 defines it, from the
+    first request queued in the decode scheduler (its load starts) to the last one
+    scheduled (its completion seen by the scheduler), which the GB/s targets use;
 and once per run the handshake phases parsed from the decode log, engine start
 times, and the first-request overhead = round-0 TTFT minus the median TTFT of
 the later rounds. ``--local-baseline`` adds a non-disaggregated engine's TTFT on
@@ -21,8 +24,9 @@ the same prompts (prefill computed locally) as a reference.
 
 Before each connector it measures single-thread memcpy of one round's bytes. At
 the end it prints every connector side by side (steady TTFT, first-request
-overhead, GB/s per round, handshake) and issue 13's targets for each kvbridge
-variant with PASS/FAIL (bench/vllm_targets.py): GB/s against memcpy, overhead,
+overhead, GB/s per round, handshake) and issues 13 and 23's targets for each kvbridge
+variant with PASS/FAIL (bench/vllm_targets.py): load GB/s of the rounds after the
+first against memcpy (median >= 50 %, worst >= 35 %), overhead,
 a clean run, and TTFT / overhead ratios against each NixlConnector variant.
 Connectors by default: kvbridge, kvbridge-step-poll (READs checked by the step
 poll only, the behaviour before ``complete_in_background``), nixl (vLLM's
@@ -107,12 +111,25 @@ def _waits(outputs: list[dict[str, Any]]) -> list[float]:
     return out
 
 
+def load_span_s(outputs: list[dict[str, Any]]) -> float | None:
+    """A round's load time as issue 23 defines it: from the first request's arrival in the
+    decode scheduler (its load starts) to the last one scheduled (its completion seen)."""
+    ms = [o.get("metrics") or {} for o in outputs]
+    q = [m["queued_ts"] for m in ms if m.get("queued_ts") and m.get("scheduled_ts")]
+    s = [m["scheduled_ts"] for m in ms if m.get("queued_ts") and m.get("scheduled_ts")]
+    return (max(s) - min(q)) if q and max(s) > min(q) else None
+
+
 def summarise(run: DisaggRun, label: str) -> dict[str, Any]:
     rounds = []
     for r, rec in enumerate(run.decode["rounds"]):
         t = _ttfts(rec["outputs"])
         w = _waits(rec["outputs"])
         figs = transfer_figures(run, r)
+        span = load_span_s(rec["outputs"])
+        if span and figs.get("bytes"):
+            figs["load_s"] = span
+            figs["load GB/s"] = figs["bytes"] / span / 1e9
         rounds.append({
             "round": r,
             "ttft_mean_ms": statistics.fmean(t) * 1e3 if t else None,
@@ -156,12 +173,13 @@ def print_report(results: list[dict[str, Any]], meta: dict[str, Any]) -> None:
               f"D {res['decode_engine_start_s']:.1f} s")
         for k, v in res["handshake_s"].items():
             print(f"  handshake {k}: " + ", ".join(f"{x * 1e3:.1f} ms" for x in v))
-        print("  round  TTFT mean  TTFT max  queue->sched  xfers  xfer ms   MiB      GB/s")
+        print("  round  TTFT mean  TTFT max  queue->sched  xfers  xfer ms   MiB      GB/s  load ms  load GB/s")
         for r in res["rounds"]:
             print(f"  {r['round']:5d}  {_fmt(r['ttft_mean_ms'], '8.1f')}  {_fmt(r['ttft_max_ms'], '8.1f')}"
                   f"  {_fmt(r.get('queued_to_scheduled_ms'), '11.1f')}"
                   f"  {_fmt(r.get('transfers'), '6.0f')}  {_fmt((r.get('transfer_s') or 0) * 1e3, '7.2f')}"
-                  f"  {_fmt((r.get('bytes') or 0) / 2**20, '7.2f')}  {_fmt(r.get('GB/s'), '7.2f')}")
+                  f"  {_fmt((r.get('bytes') or 0) / 2**20, '7.2f')}  {_fmt(r.get('GB/s'), '7.2f')}"
+                  f"  {_fmt((r.get('load_s') or 0) * 1e3, '7.2f')}  {_fmt(r.get('load GB/s'), '9.2f')}")
         print(f"  steady TTFT (median of rounds >= 1): {_fmt(res['steady_ttft_ms'], '.1f')} ms; "
               f"first-request overhead: {_fmt(res['first_request_overhead_ms'], '.1f')} ms")
         if res["problems"]:

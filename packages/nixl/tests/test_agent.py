@@ -162,3 +162,16 @@ def test_agent_config_refuses_bad_progress_and_backend_params():
         AgentConfig(backend_params=(("GDS", "x", "1"),))
     assert AgentConfig(num_threads=2, backend_params=(("UCX", "split_batch_size", "256"),)).init_params(
         "UCX") == {"num_threads": "2", "split_batch_size": "256"}
+
+
+def test_agent_config_split_batch_size_reaches_ucx_only_with_two_threads_or_more():
+    assert AgentConfig().init_params("UCX") == {"num_threads": "2", "split_batch_size": "16"}
+    assert AgentConfig(num_threads=4, split_batch_size=64).init_params("UCX") == {
+        "num_threads": "4", "split_batch_size": "64"}
+    # one thread: a split would leave one chunk and only move the copy to UCX's thread
+    assert AgentConfig(num_threads=1).init_params("UCX") == {"num_threads": "1"}
+    assert AgentConfig(num_threads=0).init_params("UCX") == {}
+    assert "split_batch_size" not in AgentConfig(backends=("UCX", "OBJ")).init_params("OBJ")
+    for bad in (0, -1, True, "16"):
+        with pytest.raises(ValueError, match="split_batch_size"):
+            AgentConfig(split_batch_size=bad)

@@ -25,6 +25,16 @@ class AgentConfig:
     thread off, the owner must let NIXL progress (the engines' worker and
     ``poll()`` then do it).
 
+    ``split_batch_size`` is the UCX backend's: a transfer of at least this many
+    descriptors (after merging) is split over the ``num_threads`` UCX threads,
+    each copying its share (in host memory UCX copies in the posting thread, so
+    a transfer below it is copied by one thread; NIXL's own default is 1024).
+    It is passed only with two threads or more (with one, a split leaves one chunk
+    and only moves the copy from the posting thread to UCX's). Defaults, by
+    measurement on the 2-core VM (docs/benchmarks.md, ``kvbridge bench``): 2
+    threads and a split from 16 descriptors (a contiguous request's 32 merged
+    2 MiB descriptors are copied by two threads at once).
+
     ``backend_params`` are extra init parameters per backend, as
     ``(backend, key, value)`` triples (e.g. ``("UCX", "split_batch_size",
     "256")`` or ``("UCX", "engine_config", "MAX_RMA_RAILS=1")``); they are
@@ -32,7 +42,8 @@ class AgentConfig:
     """
 
     backends: tuple[str, ...] = ("UCX",)
-    num_threads: int = 4
+    num_threads: int = 2
+    split_batch_size: int = 16
     telemetry: bool = True
     progress_thread: bool = True
     progress_delay_us: int = 1000
@@ -43,6 +54,9 @@ class AgentConfig:
             raise ValueError("AgentConfig.backends is empty; name at least one NIXL backend, e.g. UCX")
         if not isinstance(self.num_threads, int) or self.num_threads < 0:
             raise ValueError(f"AgentConfig.num_threads must be an integer >= 0, got {self.num_threads!r}")
+        if isinstance(self.split_batch_size, bool) or not isinstance(self.split_batch_size, int) \
+                or self.split_batch_size < 1:
+            raise ValueError(f"AgentConfig.split_batch_size must be an integer >= 1, got {self.split_batch_size!r}")
         if (isinstance(self.progress_delay_us, bool) or not isinstance(self.progress_delay_us, int)
                 or not 0 <= self.progress_delay_us <= 1_000_000):
             raise ValueError(f"AgentConfig.progress_delay_us must be an integer within [0, 1000000] "
@@ -56,10 +70,13 @@ class AgentConfig:
                                  f"in backends {self.backends}")
 
     def init_params(self, backend: str) -> dict[str, str]:
-        """The init parameters NIXL gets for ``backend`` (thread count, then ``backend_params``)."""
+        """The init parameters NIXL gets for ``backend`` (thread count and UCX batch split, then
+        ``backend_params``, which override them)."""
         params: dict[str, str] = {}
         if self.num_threads > 0 and backend in ("UCX", "OBJ", "LIBFABRIC"):
             params["num_threads"] = str(self.num_threads)
+        if self.num_threads > 1 and backend == "UCX":
+            params["split_batch_size"] = str(self.split_batch_size)
         for name, key, value in self.backend_params:
             if name == backend:
                 params[key] = value
