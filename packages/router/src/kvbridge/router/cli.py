@@ -41,6 +41,19 @@ def build_parser(prog: str = "kvbridge router") -> argparse.ArgumentParser:
     p.add_argument("--unhealthy-after", type=int, default=None, dest="unhealthy_after",
                    metavar="N", help="failed /health probes in a row that take an instance out of "
                    "rotation (default 3; a request that cannot connect takes it out at once)")
+    p.add_argument("--prefix-placement", choices=["off", "decode", "both"], default=None,
+                   dest="prefix_placement", help="send requests whose prompts start alike to the "
+                   "same decode instance (decode) and prefill instance too (both), by consistent "
+                   "hashing of the first prompt blocks, so that their prefix caches hit "
+                   "(default off: least loaded)")
+    p.add_argument("--prefix-block-tokens", type=int, default=None, dest="prefix_block_tokens",
+                   metavar="N", help="tokens per block for --prefix-placement (default 16, "
+                   "vLLM's block size; text counts 4 characters a token)")
+    p.add_argument("--prefix-blocks", type=int, default=None, dest="prefix_blocks", metavar="N",
+                   help="leading prompt blocks hashed by --prefix-placement (default 4)")
+    p.add_argument("--prefix-load-margin", type=int, default=None, dest="prefix_load_margin",
+                   metavar="N", help="requests in flight beyond the least-loaded instance that "
+                   "make --prefix-placement pass over a prefix's instance (default 8)")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--check", action="store_true",
@@ -51,7 +64,8 @@ def build_parser(prog: str = "kvbridge router") -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
     overrides = {k: getattr(args, k) for k in (
         "host", "port", "connect_timeout_s", "prefill_timeout_s", "decode_timeout_s",
-        "health_interval_s", "health_timeout_s", "unhealthy_after")}
+        "health_interval_s", "health_timeout_s", "unhealthy_after", "prefix_placement",
+        "prefix_block_tokens", "prefix_blocks", "prefix_load_margin")}
     if args.prefill is not None:
         overrides["prefill"] = tuple(args.prefill)
     if args.decode is not None:
