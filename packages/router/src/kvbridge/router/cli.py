@@ -101,7 +101,9 @@ def router_command(argv: list[str], prog: str = "kvbridge router") -> int:
 
     print(f"kvbridge router on http://{config.host}:{config.port}: prefill "
           f"{', '.join(config.prefill) or '(none: decode prefills locally)'}; decode "
-          f"{', '.join(config.decode)}", flush=True)
+          f"{', '.join(config.decode)}"
+          + (f"; prefix-aware placement: {config.prefix_placement}"
+             if config.prefix_placement != "off" else ""), flush=True)
     serve(config, log_level=args.log_level)
     return 0
 
