@@ -15,9 +15,9 @@ caches). Per arm it reads from the decode servers' /metrics:
 * the KV bytes kvbridge moved (``vllm:kvbridge_bytes_transferred_sum``) and
   the transfers (``vllm:kvbridge_xfer_time_seconds_count``).
 
-Run: ``flock /tmp/kvb-heavy.lock .e2e/venv/bin/python bench/bench_prefix.py``
-(builds nothing: run scripts/setup_e2e_env.sh first). Prints the figures and
-a markdown table for docs/benchmarks.md.
+Run: ``uv run python bench/bench_prefix.py`` (the engines run in the e2e
+environment: build it first with scripts/setup_e2e_env.sh). Prints the
+figures and a markdown table for docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ import argparse
 import json
 import os
 import random
+import signal
 import sys
 import tempfile
 import time
@@ -35,6 +36,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "e2e"))
 
+from e2e_harness import missing_env_reason  # noqa: E402
 from served import (  # noqa: E402
     Served,
     completion_body,
@@ -90,19 +92,19 @@ def run_arm(arm: str, prefill: list[Served], decode: list[Served], workdir: Path
         before = snapshot(decode)
         t0 = time.monotonic()
 
-        def one(p: str) -> str:
+        def one(p: str) -> int:
             out = http_json(r.url + "/v1/completions", completion_body(p, args.max_tokens), timeout=300)
-            return out["choices"][0]["text"]
+            return int(out["usage"]["completion_tokens"])
 
         with ThreadPoolExecutor(args.concurrency) as pool:
-            texts = list(pool.map(one, prompts))
+            made = list(pool.map(one, prompts))
         wall = time.monotonic() - t0
         after = wait_counted(decode, before, len(prompts))
     finally:
         stop_all([r])
-    short = [t for t in texts if len(t.split()) != args.max_tokens]
+    short = [n for n in made if n != args.max_tokens]
     if short:
-        raise RuntimeError(f"{arm}: {len(short)} answers without {args.max_tokens} tokens: {short[:2]}")
+        raise RuntimeError(f"{arm}: {len(short)} answers without {args.max_tokens} tokens: {short[:4]}")
 
     def delta(name: str, d: Served) -> float:
         return after[d.name].get(name, 0) - before[d.name].get(name, 0)
@@ -127,6 +129,12 @@ def main() -> int:
     ap.add_argument("--workdir", type=Path, default=None, help="keep engine logs here")
     ap.add_argument("--json", type=Path, default=None, help="write the figures here too")
     args = ap.parse_args()
+    # a timeout's SIGTERM must still stop the servers (each runs in its own session)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    reason = missing_env_reason()
+    if reason:
+        print(reason, file=sys.stderr)
+        return 2
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="kvb-prefix-"))
     model = served_model()
     p0 = engine("prefill0", model, "prefill", workdir)
