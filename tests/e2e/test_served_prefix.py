@@ -105,9 +105,11 @@ def test_requests_sharing_a_prefix_land_on_one_decode_server_and_match_its_own_r
     decode = engines.decode
     prefixes = prefixes_on_each_decode(decode)
     suffixes = text_prompts((20,) * 6, seed=77)
-    # interleaved, so that least-loaded round robin would split each prefix over both servers
-    plan = [(owner, prefixes[owner] + " " + suffixes[3 * k + j])
-            for j in range(3) for k, owner in enumerate(sorted(prefixes))]
+    # A A B B A B: two requests of a prefix in a row, which least-loaded round robin over two
+    # idle servers never sends to the same one
+    a, b = sorted(prefixes)
+    order = [(a, 0), (a, 1), (b, 0), (b, 1), (a, 2), (b, 2)]
+    plan = [(owner, prefixes[owner] + " " + suffixes[3 * (owner == b) + j]) for owner, j in order]
     served_by: dict[str, list[str]] = {d.name: [] for d in decode}
     routed: dict[str, str] = {}
     pulled: dict[str, list[float]] = {d.name: [] for d in decode}
