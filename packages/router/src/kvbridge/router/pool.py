@@ -11,7 +11,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from .ring import HashRing, PrefixKey
+from .ring import VNODES, HashRing, PrefixKey
 
 
 @dataclass
@@ -186,7 +186,7 @@ class Placement:
 
     key: PrefixKey = PrefixKey()
     load_margin: int = 8
-    vnodes: int = 160
+    vnodes: int = VNODES
 
     def __post_init__(self) -> None:
         if not isinstance(self.load_margin, int) or isinstance(self.load_margin, bool) \
