@@ -194,8 +194,9 @@ def wait_ready(servers: Sequence[Served], deadline_s: float) -> None:
 
 def engine(name: str, model: Path, role: str, workdir: Path, *, tp: int = 1, cpus: str = "nobind",
            connector: ConnectorUnderTest = SERVED_CONNECTOR, max_model_len: int = 512,
-           kv_cache_bytes: int = 64 << 20) -> Served:
-    """A vLLM OpenAI server for ``role`` ("prefill" or "decode") with kvbridge's connector.
+           kv_cache_bytes: int = 64 << 20, prefix_caching: bool = False) -> Served:
+    """A vLLM OpenAI server for ``role`` ("prefill" or "decode") with kvbridge's connector
+    (prefix caching off unless ``prefix_caching``).
 
     Its engine core and TP workers are spawned, each importing vLLM again (about
     30 s of CPU here): vLLM's CPU platform sets VLLM_WORKER_MULTIPROC_METHOD to
@@ -208,7 +209,8 @@ def engine(name: str, model: Path, role: str, workdir: Path, *, tp: int = 1, cpu
     argv = [py, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
             "--served-model-name", MODEL_NAME, "--host", HOST, "--port", str(port),
             "--dtype", "float32", "--block-size", "32", "--kv-cache-memory-bytes", str(kv_cache_bytes),
-            "--enforce-eager", "--max-model-len", str(max_model_len), "--no-enable-prefix-caching",
+            "--enforce-eager", "--max-model-len", str(max_model_len),
+            "--enable-prefix-caching" if prefix_caching else "--no-enable-prefix-caching",
             "--seed", "0", "--max-num-seqs", "16", "--disable-uvicorn-access-log",
             "--kv-transfer-config", json.dumps(kv_cfg)]
     if tp > 1:

@@ -145,9 +145,11 @@ class Router:
         self.config = config
         self.metrics = RouterMetrics()
         self.prefill = Pool.of("prefill", config.prefill, self.metrics.instance_changed,
-                               unhealthy_after=config.unhealthy_after)
+                               unhealthy_after=config.unhealthy_after,
+                               placement=config.placement("prefill"))
         self.decode = Pool.of("decode", config.decode, self.metrics.instance_changed,
-                              unhealthy_after=config.unhealthy_after)
+                              unhealthy_after=config.unhealthy_after,
+                              placement=config.placement("decode"))
         self._client: httpx.AsyncClient | None = None
         self._proxy: Proxy | None = None
         self.app = Starlette(

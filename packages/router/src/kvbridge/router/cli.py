@@ -50,6 +50,19 @@ def build_parser(prog: str = "kvbridge router") -> argparse.ArgumentParser:
                    help="push mode: a prefill instance's kvbridge side channel "
                    "(side_channel_host:side_channel_port), e.g. http://10.0.0.5:8100=10.0.0.5:5600; "
                    "an instance not listed uses its URL's host and port 5600")
+    p.add_argument("--prefix-placement", choices=["off", "decode", "both"], default=None,
+                   dest="prefix_placement", help="send requests whose prompts start alike to the "
+                   "same decode instance (decode) and prefill instance too (both), by consistent "
+                   "hashing of the first prompt blocks, so that their prefix caches hit "
+                   "(default off: least loaded)")
+    p.add_argument("--prefix-block-tokens", type=int, default=None, dest="prefix_block_tokens",
+                   metavar="N", help="tokens per block for --prefix-placement (default 16, "
+                   "vLLM's block size; text counts 4 characters a token)")
+    p.add_argument("--prefix-blocks", type=int, default=None, dest="prefix_blocks", metavar="N",
+                   help="leading prompt blocks hashed by --prefix-placement (default 4)")
+    p.add_argument("--prefix-load-margin", type=int, default=None, dest="prefix_load_margin",
+                   metavar="N", help="requests in flight beyond the least-loaded instance that "
+                   "make --prefix-placement pass over a prefix's instance (default 8)")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--check", action="store_true",
@@ -60,7 +73,8 @@ def build_parser(prog: str = "kvbridge router") -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
     overrides = {k: getattr(args, k) for k in (
         "host", "port", "connect_timeout_s", "prefill_timeout_s", "decode_timeout_s",
-        "health_interval_s", "health_timeout_s", "unhealthy_after", "mode")}
+        "health_interval_s", "health_timeout_s", "unhealthy_after", "mode", "prefix_placement",
+        "prefix_block_tokens", "prefix_blocks", "prefix_load_margin")}
     if args.prefill_side_channels is not None:
         overrides["prefill_side_channels"] = side_channel_args(args.prefill_side_channels)
     if args.prefill is not None:
@@ -113,7 +127,9 @@ def router_command(argv: list[str], prog: str = "kvbridge router") -> int:
         prefill = ", ".join(f"{u} (side channel {':'.join(map(str, config.side_channel(u)))})"
                             for u in config.prefill) or prefill
     print(f"kvbridge router ({config.mode} mode) on http://{config.host}:{config.port}: prefill "
-          f"{prefill}; decode {', '.join(config.decode)}", flush=True)
+          f"{prefill}; decode {', '.join(config.decode)}"
+          + (f"; prefix-aware placement: {config.prefix_placement}"
+             if config.prefix_placement != "off" else ""), flush=True)
     serve(config, log_level=args.log_level)
     return 0
 

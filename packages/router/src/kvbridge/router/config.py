@@ -13,6 +13,12 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from .pool import Placement
+from .ring import PrefixKey
+
+#: Values of ``prefix_placement``: which pools place requests by prompt prefix.
+PREFIX_PLACEMENTS = ("off", "decode", "both")
+
 
 class ConfigError(ValueError):
     """The router configuration is invalid; the message says what to change."""
@@ -37,6 +43,13 @@ class RouterConfig:
     engine's side channel: ``prefill_side_channels`` maps a prefill URL to
     ``"host:port"``; a prefill URL not listed uses its own host and port
     :data:`DEFAULT_SIDE_CHANNEL_PORT` (kvbridge's default ``side_channel_port``).
+
+    ``prefix_placement`` ("off", "decode" or "both": decode and prefill) sends
+    requests whose prompts start alike to the same instance, by consistent
+    hashing of the first ``prefix_blocks`` blocks of ``prefix_block_tokens``
+    tokens (text: ``prefix_chars_per_token`` characters a token), unless that
+    instance has more than ``prefix_load_margin`` requests in flight beyond the
+    least-loaded one (see :mod:`kvbridge.router.ring`).
     """
 
     prefill: tuple[str, ...]
@@ -53,6 +66,11 @@ class RouterConfig:
     max_body_bytes: int = 16 * 1024 * 1024
     mode: str = "pull"
     prefill_side_channels: Mapping[str, str] = field(default_factory=dict)
+    prefix_placement: str = "off"
+    prefix_block_tokens: int = 16
+    prefix_blocks: int = 4
+    prefix_chars_per_token: int = 4
+    prefix_load_margin: int = 8
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prefill", tuple(normalize_url(u, "--prefill") for u in self.prefill))
@@ -93,6 +111,24 @@ class RouterConfig:
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ConfigError(f"{f} must be a positive integer, got {v!r}")
+        if self.prefix_placement not in PREFIX_PLACEMENTS:
+            raise ConfigError(f"prefix_placement must be one of {', '.join(PREFIX_PLACEMENTS)}, "
+                              f"got {self.prefix_placement!r}")
+        for f in ("prefix_block_tokens", "prefix_blocks", "prefix_chars_per_token"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ConfigError(f"{f} must be a positive integer, got {v!r}")
+        v = self.prefix_load_margin
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ConfigError(f"prefix_load_margin must be a non-negative integer (requests in "
+                              f"flight), got {v!r}")
+
+    def placement(self, role: str) -> Placement | None:
+        """Prefix-aware placement for the ``role`` pool; None where it places by load alone."""
+        if self.prefix_placement == "off" or (role == "prefill" and self.prefix_placement != "both"):
+            return None
+        return Placement(PrefixKey(self.prefix_block_tokens, self.prefix_blocks,
+                                   self.prefix_chars_per_token), self.prefix_load_margin)
 
     def side_channel(self, prefill_url: str) -> tuple[str, int]:
         """The side channel (host, port) of the prefill instance at ``prefill_url``, which a

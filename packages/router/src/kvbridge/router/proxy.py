@@ -131,9 +131,10 @@ class Proxy:
         """``kv_transfer_params`` from the first prefill instance that delivers them;
         None when no prefill instance is left (the decode instance prefills itself)."""
         body = prefill_body(req)
+        key = self.prefill.prefix_key(req.body)
         tried: list[Instance] = []
         while True:
-            inst = self.prefill.choose(exclude=tried)
+            inst = self.prefill.choose(exclude=tried, key=key)
             if inst is None:
                 if len(self.prefill):
                     self.metrics.error("local_prefill")
@@ -205,7 +206,7 @@ class Proxy:
                        send: Send) -> None:
         """Push mode: the prefill and the decode request at once (failure policy in
         :mod:`.push`)."""
-        inst = self.prefill.choose()
+        inst = self.prefill.choose(key=self.prefill.prefix_key(req.body))
         if inst is None:
             if len(self.prefill):
                 self.metrics.error("local_prefill")
@@ -265,11 +266,12 @@ class Proxy:
     async def run_decode(self, req: ClientRequest, params: dict[str, Any] | None, request_id: str,
                          auth: str | None, send: Send) -> None:
         body = decode_body(req, params)
+        key = self.decode.prefix_key(req.body)
         tried: list[Instance] = []
         while True:
             # out-of-rotation instances last: a probe may have missed a busy but live engine
-            inst = self.decode.choose(exclude=tried) or self.decode.choose(exclude=tried,
-                                                                          any_health=True)
+            inst = (self.decode.choose(exclude=tried, key=key)
+                    or self.decode.choose(exclude=tried, any_health=True, key=key))
             if inst is None:
                 self.metrics.error("no_decode")
                 down = self.decode.describe_down()
