@@ -17,6 +17,7 @@ peer that is gone.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -53,6 +54,10 @@ class Peer:
     handshake_ms: float = 0.0
     #: handshake phases (ms): side-channel metadata, loading + connecting agents, list preparation
     phases_ms: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    #: ``time.perf_counter()`` marks of this peer's first request, for the log line of its first
+    #: completed transfer: created (a request named it), handshake began on the worker, handshake
+    #: ended, first transfer posted, first completion seen (0.0: not yet)
+    marks: dict[str, float] = field(default_factory=lambda: {"created": time.perf_counter()})
 
     @property
     def usable(self) -> bool:

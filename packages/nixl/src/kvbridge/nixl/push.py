@@ -312,6 +312,7 @@ class PushWrites(PrefillMode):
                     continue
                 x = e.agent.make_transfer("WRITE", peer.local_lists[r], mi, peer.remote_lists[r], ti, msg)
                 parts[r] = x
+                peer.marks.setdefault("posted", time.perf_counter())
                 if e.agent.post(x) == "ERR":
                     raise NixlError(f"posting the WRITE to engine {peer.engine_id!r} rank {r} failed")
         except (NixlError, ValueError, KeyError) as exc:

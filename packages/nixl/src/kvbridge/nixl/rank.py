@@ -255,14 +255,15 @@ class RankEngine:
 
     def _handshake_job(self, peer: Peer) -> None:
         """Worker thread: handshake with ``peer``, then queue its outcome for the caller."""
-        t0 = time.perf_counter()
+        t0 = peer.marks["handshake"] = time.perf_counter()
         try:
             self._handshake(peer)
         except (HandshakeError, NixlError, TopologyError, ValueError) as exc:
             peer.error = str(exc)
         except Exception as exc:  # never let a peer's input kill the worker
             peer.error = f"{type(exc).__name__}: {exc}"
-        peer.handshake_ms = (time.perf_counter() - t0) * 1e3
+        peer.marks["handshaked"] = time.perf_counter()
+        peer.handshake_ms = (peer.marks["handshaked"] - t0) * 1e3
         peer.handshaked = True
         self._events.put(HandshakeEnded(peer))
 
@@ -367,8 +368,9 @@ class RankEngine:
             peer.state = "ready"
             meta_ms, agents_ms, lists_ms = peer.phases_ms
             log.info("handshake with engine %s (TP %d) took %.1f ms: metadata %.1f ms, agents "
-                     "%.1f ms, lists %.1f ms", peer.engine_id, peer.tp_size, peer.handshake_ms,
-                     meta_ms, agents_ms, lists_ms)
+                     "%.1f ms, lists %.1f ms; queued %.1f ms before it began",
+                     peer.engine_id, peer.tp_size, peer.handshake_ms, meta_ms, agents_ms, lists_ms,
+                     (peer.marks["handshake"] - peer.marks["created"]) * 1e3)
         else:
             log.warning("handshake with engine %s failed: %s", peer.engine_id, err)
             self.peers.drop(peer, stale=False)
@@ -400,10 +402,25 @@ class RankEngine:
                 continue
             if st != "DONE":
                 return done, rank
+            self._first_done(peer_engine)
             record_done(self.agent, self.stats, x, self._records, peer_engine)
             del transfers[rank]
             done.append(rank)
         return done, None
+
+    def _first_done(self, peer_engine: str) -> None:
+        """Log, once per peer, where its first request's time went (ms after a request first
+        named the peer): the handshake's start and end, the first post, this completion."""
+        peer = self.peers.get(peer_engine)
+        if peer is None or "done" in peer.marks:
+            return
+        m = peer.marks
+        m["done"] = time.perf_counter()
+        at = {k: (m[k] - m["created"]) * 1e3 if k in m else float("nan")
+              for k in ("handshake", "handshaked", "posted", "done")}
+        log.info("first transfer with engine %s: handshake began at %.1f ms, ended at %.1f ms, "
+                 "first post at %.1f ms, first completion seen at %.1f ms", peer_engine,
+                 at["handshake"], at["handshaked"], at["posted"], at["done"])
 
     def drive(self, transfers: Iterable[Transfer]) -> None:
         """Worker thread: check the transfers just posted until none is in progress, for at
