@@ -35,6 +35,7 @@ import re
 import statistics
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -86,12 +87,15 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pairs", type=int, default=4)
     ap.add_argument("--restarts", type=int, default=4, help="prefill restarts per pair")
-    ap.add_argument("--steady", type=int, default=2, help="rounds after the first, for the steady TTFT")
+    ap.add_argument("--steady", type=int, default=3, help="rounds after the first, for the steady TTFT")
     ap.add_argument("--num-prompts", type=int, default=2)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=2)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--connector", default="kvbridge", choices=sorted(CONNECTORS))
+    ap.add_argument("--baseline-pairs", type=int, default=0,
+                    help="kvbridge: this many more pairs (with --restarts each) with warm_up off, "
+                         "interleaved with the others, as the same run's baseline")
     ap.add_argument("--workdir", type=Path, default=None)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
@@ -104,7 +108,14 @@ def main(argv: list[str] | None = None) -> int:
 
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="kvb-first-request-"))
     model = tiny_llama(2, layers=args.layers)
-    conn = CONNECTORS[args.connector]
+    base = CONNECTORS[args.connector]
+    variants = {"": base}
+    if args.baseline_pairs and args.connector == "kvbridge":
+        variants["no-warm-up"] = replace(base, label="kvbridge (warm_up off)",
+                                         extra_config={**base.extra_config, "warm_up": False})
+    plan = [""] * args.pairs
+    for k in range(min(args.baseline_pairs, args.pairs) if len(variants) > 1 else 0):
+        plan.insert(2 * k + 1, "no-warm-up")
     cfg = EngineConfig(cpus="nobind", in_process=True)
     server = ForkServer(workdir / "forkserver", os.environ)
     try:
@@ -123,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     problems: list[str] = []
     try:
         with running_pool(workdir, "first-request", server) as pool:
-            for i in range(args.pairs):
+            for i, variant in enumerate(plan):
+                conn = variants[variant]
                 d_def = EngineDef(f"d{i}", model, "decode", conn, cfg)
                 for j in range(args.restarts + 1):
                     p_def = EngineDef(f"p{i}-{j}", model, "prefill", conn, cfg)
@@ -136,32 +148,44 @@ def main(argv: list[str] | None = None) -> int:
                     steady = [ttft_ms(pool.round(p, d, prompts(), args.max_tokens).decode["rounds"][0])
                               for _ in range(args.steady)]
                     f_ms = ttft_ms(first.decode["rounds"][0])
-                    rec = {"pair": i, "restart": j, "first_ms": f_ms, "steady_ms": statistics.median(steady),
+                    rec = {"variant": variant or args.connector, "pair": i, "restart": j, "first_ms": f_ms, "steady_ms": statistics.median(steady),
                            "overhead_ms": f_ms - statistics.median(steady), **steps_from_log(log)}
                     problems += [f"pair {i} restart {j}: {x}" for x in transfer_problems(first)]
                     firsts.append(rec)
-                    print(f"pair {i} {'fresh  ' if j == 0 else f'restart {j}'}: first {f_ms:7.1f} ms, steady "
+                    print(f"{variant or args.connector:10s} pair {i} {'fresh  ' if j == 0 else f'restart {j}'}: first {f_ms:7.1f} ms, steady "
                           f"{rec['steady_ms']:6.1f} ms, overhead {rec['overhead_ms']:7.1f} ms  " +
                           " ".join(f"{k}={rec[k]:.1f}" for k in STEPS if k in rec), flush=True)
     finally:
         if server is not None:
             server.close()
-    ov = [r["overhead_ms"] for r in firsts]
-    p50, p100 = statistics.median(ov), max(ov)
-    print(f"\n{args.connector}: {len(ov)} first handshakes ({args.pairs} fresh pairs, "
-          f"{args.pairs * args.restarts} prefill restarts); load {os.getloadavg()[0]:.1f}")
-    print(f"first-request overhead p50 {p50:.1f} ms (target < {TARGET_P50_MS:.0f}): "
-          f"{'PASS' if p50 < TARGET_P50_MS else 'FAIL'}; p100 {p100:.1f} ms (target < "
-          f"{TARGET_P100_MS:.0f}): {'PASS' if p100 < TARGET_P100_MS else 'FAIL'}")
-    for k in STEPS:
-        xs = [r[k] for r in firsts if k in r and r[k] == r[k]]
-        if xs:
-            print(f"  {k:13s} p50 {statistics.median(xs):7.1f}  max {max(xs):7.1f} ms")
+    summary = {}
+    for variant in variants:
+        name = variant or args.connector
+        mine = [r for r in firsts if r["variant"] == name]
+        ov = [r["overhead_ms"] for r in mine]
+        if not ov:
+            continue
+        p50, p100 = statistics.median(ov), max(ov)
+        summary[name] = {"n": len(ov), "p50_ms": p50, "p100_ms": p100}
+        fresh = sum(1 for r in mine if r["restart"] == 0)
+        print(f"\n{name}: {len(ov)} first handshakes ({fresh} fresh pairs, {len(ov) - fresh} prefill "
+              f"restarts); load {os.getloadavg()[0]:.1f}")
+        print(f"first-request overhead p50 {p50:.1f} ms (target < {TARGET_P50_MS:.0f}): "
+              f"{'PASS' if p50 < TARGET_P50_MS else 'FAIL'}; p100 {p100:.1f} ms (target < "
+              f"{TARGET_P100_MS:.0f}): {'PASS' if p100 < TARGET_P100_MS else 'FAIL'}")
+        for kind, sel in (("fresh pairs", 0), ("restarts", 1)):
+            xs = [r["overhead_ms"] for r in mine if (r["restart"] > 0) == bool(sel)]
+            if xs:
+                print(f"  {kind:11s}: overhead p50 {statistics.median(xs):7.1f}  max {max(xs):7.1f} ms")
+        for k in STEPS:
+            xs = [r[k] for r in mine if k in r and r[k] == r[k]]
+            if xs:
+                print(f"  {k:13s} p50 {statistics.median(xs):7.1f}  max {max(xs):7.1f} ms")
     if problems:
         print("PROBLEMS:\n  " + "\n  ".join(problems[:10]))
     if args.json:
-        args.json.write_text(json.dumps({"connector": args.connector, "firsts": firsts, "p50_ms": p50,
-                                         "p100_ms": p100, "problems": problems}, indent=1))
+        args.json.write_text(json.dumps({"connector": args.connector, "firsts": firsts,
+                                         "summary": summary, "problems": problems}, indent=1))
     return 1 if problems else 0
 
 

@@ -53,6 +53,7 @@ from .groups import engine_groups
 from .messages import notification_key
 from .peers import Peer, PeerTable
 from .stats import Stats
+from .warmup import scratch_buffer, warm_up
 from .worker import EventQueue, Job, Worker
 
 log = logging.getLogger("kvbridge.nixl")
@@ -142,11 +143,18 @@ class RankEngine:
                       self.huge_pages.advised_bytes >> 20, self.huge_pages.collapsed_bytes >> 20,
                       f" ({'; '.join(self.huge_pages.errors)})" if self.huge_pages.errors else "")
         self.agent = NixlAgent(f"{spec.engine_id}/{self.role}{rank}/{self.incarnation}", self.config.agent)
+        #: the warm-up's scratch memory (registered while the agent lives), None without one
+        self._scratch = (scratch_buffer() if self.config.warm_up and self.config.mem_type == "DRAM"
+                         and self.config.agent.progress_thread else None)
         try:
             self.agent.register(regions.registration_descs(), self.config.mem_type)
+            if self._scratch is not None:
+                self.agent.register([(self._scratch.ctypes.data, self._scratch.nbytes, 0)], "DRAM")
         except Exception:
             self.agent.close()
             raise
+        if self._scratch is not None:
+            self._warm_up()
         self.server: MetadataServer | None = None
         self._own_server = False
         self._advertised: tuple[str, int] | None = None
@@ -248,6 +256,16 @@ class RankEngine:
     def _descriptors(self, peer: Peer, q: int, plan: TransferPlan) -> tuple[RankDescriptors, bool]:
         """Descriptors for peer rank ``q``, and whether this rank is the plan's local (decode) side."""
         raise NotImplementedError
+
+    def _warm_up(self) -> None:
+        """At construction: :func:`~kvbridge.nixl.warmup.warm_up` (best effort)."""
+        try:
+            ms = warm_up(self.agent, self._scratch, timeout_s=self.config.handshake_timeout_s)
+        except Exception as exc:  # the first request pays the connection costs instead
+            log.warning("rank %d: NIXL warm-up failed (%s); the first request pays the connection "
+                        "set-up instead", self.rank, exc)
+        else:
+            log.info("rank %d: NIXL warm-up took %.1f ms", self.rank, ms)
 
     # ----- handshakes -------------------------------------------------------
     def _start_handshake(self, peer: Peer) -> None:
