@@ -65,6 +65,20 @@ class Peer:
         return self.handshaked and not self.error and self.state != "failed"
 
 
+def first_done(peer: Peer | None) -> None:
+    """Log, once per peer, where its first request's time went (ms after a request first named
+    the peer): the handshake's start and end, the first post, the first completion seen."""
+    if peer is None or "done" in peer.marks:
+        return
+    m = peer.marks
+    m["done"] = time.perf_counter()
+    at = {k: (m[k] - m["created"]) * 1e3 if k in m else float("nan")
+          for k in ("handshake", "handshaked", "posted", "done")}
+    log.info("first transfer with engine %s: handshake began at %.1f ms, ended at %.1f ms, "
+             "first post at %.1f ms, first completion seen at %.1f ms", peer.engine_id,
+             at["handshake"], at["handshaked"], at["posted"], at["done"])
+
+
 class PeerTable:
     """The peers of one rank by engine id; ``start`` queues a peer's handshake on the worker."""
 

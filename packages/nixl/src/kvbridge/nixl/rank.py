@@ -51,7 +51,7 @@ from .config import (
 )
 from .groups import engine_groups
 from .messages import notification_key
-from .peers import Peer, PeerTable
+from .peers import Peer, PeerTable, first_done
 from .stats import Stats
 from .warmup import scratch_buffer, warm_up
 from .worker import EventQueue, Job, Worker
@@ -420,25 +420,11 @@ class RankEngine:
                 continue
             if st != "DONE":
                 return done, rank
-            self._first_done(peer_engine)
+            first_done(self.peers.get(peer_engine))
             record_done(self.agent, self.stats, x, self._records, peer_engine)
             del transfers[rank]
             done.append(rank)
         return done, None
-
-    def _first_done(self, peer_engine: str) -> None:
-        """Log, once per peer, where its first request's time went (ms after a request first
-        named the peer): the handshake's start and end, the first post, this completion."""
-        peer = self.peers.get(peer_engine)
-        if peer is None or "done" in peer.marks:
-            return
-        m = peer.marks
-        m["done"] = time.perf_counter()
-        at = {k: (m[k] - m["created"]) * 1e3 if k in m else float("nan")
-              for k in ("handshake", "handshaked", "posted", "done")}
-        log.info("first transfer with engine %s: handshake began at %.1f ms, ended at %.1f ms, "
-                 "first post at %.1f ms, first completion seen at %.1f ms", peer_engine,
-                 at["handshake"], at["handshaked"], at["posted"], at["done"])
 
     def drive(self, transfers: Iterable[Transfer]) -> None:
         """Worker thread: check the transfers just posted until none is in progress, for at
