@@ -61,3 +61,22 @@ def test_serving_kv_check_needs_bytes_and_no_failures() -> None:
     failed = srv.kv_check("nixl", {}, {srv.KV_METRICS["nixl"][0]: 1.0, srv.KV_METRICS["nixl"][2][0]: 1.0})
     assert failed["kv"].startswith("FAIL")
     assert srv.kv_check("single", {}, {})["kv"].startswith("n/a")
+
+
+def test_push_overlap_reads_both_engines_timelines() -> None:
+    bp = _bench("bench_push")
+    pre = "\n".join([
+        "INFO kvbridge-timeline saved r1 t=10.000 layers=0",
+        "INFO kvbridge-timeline posted r1 t=10.001 layers=0",
+        "INFO kvbridge-timeline written r1 t=10.003 layers=0",
+        "INFO kvbridge-timeline saved r1 t=10.010 layers=1",
+        "INFO kvbridge-timeline posted r1 t=10.012 layers=1",
+        "INFO kvbridge-timeline forward_end r1 t=10.013",
+        "INFO kvbridge-timeline written r1 t=10.016 layers=1",
+    ])
+    dec = "INFO kvbridge-timeline arrived r1 t=10.020 rank=0\nINFO other line"
+    o = bp.overlap(pre, dec)
+    assert round(o["left_ms"], 3) == 7.0 and round(o["left_to_last_write_ms"], 3) == 3.0
+    assert round(o["write_ms"], 3) == 3.0 and o["writes"] == 2
+    assert round(o["post_lag_ms"], 3) == 1.5
+    assert bp.overlap("no timeline", dec) is None
