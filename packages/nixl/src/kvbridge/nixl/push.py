@@ -172,6 +172,8 @@ class Push:
     lock: threading.Lock = field(default_factory=threading.Lock)
     #: every WRITE the worker posted for this push (appended on the worker thread only)
     posted: list[Transfer] = field(default_factory=list)
+    #: a posting job of this push failed (set on the worker thread)
+    post_failed: bool = False
 
     @property
     def tag(self) -> str:
@@ -258,7 +260,7 @@ class PushWrites(PrefillMode):
         xs = list(p.posted)
         e.drive(xs)
         with p.lock:
-            if (p.notified or p.finished or p.asked or not e.peers.is_current(peer)
+            if (p.notified or p.finished or p.post_failed or p.asked or not e.peers.is_current(peer)
                     or any(not x.released and e.agent.state(x) != "DONE" for x in xs)):
                 return
             try:
@@ -361,6 +363,8 @@ class PushWrites(PrefillMode):
             err = str(exc) or type(exc).__name__
         except Exception as exc:  # the worker must survive anything
             err = f"{type(exc).__name__}: {exc}"
+        if err is not None:
+            p.post_failed = True  # never notify early: a layer may be missing
         return WritesPosted(p, parts, err)
 
     def _written(self, p: Push) -> bytes:
