@@ -76,7 +76,9 @@ def test_push_overlap_reads_both_engines_timelines() -> None:
     ])
     dec = "INFO kvbridge-timeline arrived r1 t=10.020 rank=0\nINFO other line"
     o = bp.overlap(pre, dec)
-    assert round(o["left_ms"], 3) == 7.0 and round(o["left_to_last_write_ms"], 3) == 3.0
+    # measured from the last layer's hand-over (10.010), not the forward's end (10.013)
+    assert round(o["left_ms"], 3) == 10.0 and round(o["left_to_last_write_ms"], 3) == 6.0
+    assert round(o["forward_tail_ms"], 3) == 3.0
     assert round(o["write_ms"], 3) == 3.0 and o["writes"] == 2
     assert round(o["post_lag_ms"], 3) == 1.5
     assert bp.overlap("no timeline", dec) is None
