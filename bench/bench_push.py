@@ -1,39 +1,48 @@
 #!/usr/bin/env python3
-"""Pull vs push vs layer-by-layer push through real vLLM engines (KVBridgeConnector).
+"""Pull vs whole-request push vs layer-by-layer push through real vLLM engines, interleaved.
 
-    .e2e/venv/bin/python bench/bench_push.py [--rounds 4] [--layers 16] [--json out.json]
+    flock /tmp/kvb-heavy.lock .e2e/venv/bin/python bench/bench_push.py [--rounds 10] \\
+        [--layers 16] [--json out.json]
 
-Same model, same prompts, same run, three ways of moving the prompt's KV:
+Same model, same run, three engine pairs kept alive side by side (in-process
+engines forked from one server, one OpenMP thread each, as in the e2e suite),
+rounds interleaved pull, whole, layer by layer, pull, ... with new prompts each
+round (no prefix-cache hits). Round 0 pays each pair's handshake and is left out.
 
   * pull: the decode engine READs the prefill engine's blocks after prefill finished;
   * push whole-request: both engines get the request at once, decode allocates and
     offers its blocks, prefill writes the whole request after its forward pass;
   * push layer-by-layer: as above, each layer written as soon as vLLM computed it.
 
-Per mode it prints the decode TTFT (vLLM's first_token_latency of the decode
-request; in push mode the decode request arrives together with the prefill one, so
-its TTFT includes the prefill computation, in pull mode it does not: the pull
-column adds the prefill engine's own latency to compare like with like), the
-first-request overhead (round 0 minus the median of later rounds) and the transfer
-time and GB/s. Then how much of the transfer the layer-by-layer overlap hides. The
-TTFTs themselves carry the prefill computation's run-to-run spread (hundreds of ms
-on two busy cores), so the overlap is measured on the *exposed gap*: how long after
-the prefill engine's last first token of a round the decode engine's last first
-token comes (the transfer left after the forward pass, the notification, and the
-decode engine's own step, the same in both modes). Hidden share = (gap whole -
-gap layer-by-layer) / the whole-request push's transfer time per round, with the
-target (>= 80 % when the prefill computation takes longer than the transfer).
+Decode TTFT: vLLM's first_token_latency of the decode request (mean over the
+prompts); in push mode the decode request arrives together with the prefill
+one, so its TTFT includes the prefill computation; in pull mode it does not,
+so the pull figure adds the prefill engine's own latency (the harness's hand-over
+between the two is not counted, which favours pull). Target: layer-by-layer
+push's median below both others'.
 
-Needs the e2e environment (scripts/setup_e2e_env.sh). Prints figures only.
+The overlap comes from the engines' own clocks (the push timeline,
+``KVBRIDGE_TIMELINE=1``, see kvbridge.nixl.timeline): on the prefill engine each
+layer's hand-over (``save_kv_layer``), its WRITE's post and completion, and the
+forward pass's end (``wait_for_save``); on the decode engine the arrival of the
+last part (the WRITTEN notification applied, at its next step). *Left after the
+last layer* = last arrival minus the last layer's hand-over (whole push: minus the
+forward's end; worst request of a round; also shown: to the last WRITE's
+completion, and how long the forward ran on after its last layer). Target: at most two layers' WRITEs (2 x
+the median duration of one layer's WRITE). Needs the e2e environment
+(scripts/setup_e2e_env.sh). Prints figures only.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import statistics
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -41,110 +50,90 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "e2e"))
 
 from e2e_harness import (  # noqa: E402
     KVBRIDGE_CONNECTOR,
-    DisaggRun,
     EngineConfig,
     EngineFailed,
-    cpu_binding,
     kvbridge_push,
     make_prompts,
     missing_env_reason,
-    run_disaggregated,
     tiny_llama,
     transfer_figures,
     transfer_problems,
 )
 
-TARGET_HIDDEN = 0.80
+MODES = ("pull", "push-whole", "push-layerwise")
+TIMELINE = re.compile(r"kvbridge-timeline (\w+) (\S+) t=([0-9.]+)(.*)")
+LAYERS_OF_WRITE = 2.0  # target: left after the forward <= this many layers' WRITEs
 
 
-def _ttfts(outputs: list[dict[str, Any]]) -> list[float]:
-    return [o["metrics"]["first_token_latency"] for o in outputs if o.get("metrics")]
+def _ttft_ms(rec: dict[str, Any]) -> float | None:
+    t = [o["metrics"]["first_token_latency"] for o in rec["outputs"] if o.get("metrics")]
+    return statistics.fmean(t) * 1e3 if t else None
 
 
-def _mean_ms(xs: list[float]) -> float | None:
-    return statistics.fmean(xs) * 1e3 if xs else None
-
-
-def summarise(run: DisaggRun, mode: str) -> dict[str, Any]:
-    """Per round: decode TTFT (and, for pull, the prefill request's own latency, which a
-    pulled request waits for before it reaches the decode engine)."""
-    rounds = []
-    for r, rec in enumerate(run.decode["rounds"]):
-        ttft = _mean_ms(_ttfts(rec["outputs"]))
-        pre = _mean_ms(_ttfts(run.prefill["rounds"][r]["outputs"])) if mode == "pull" else 0.0
-        rounds.append({"round": r, "decode_ttft_ms": ttft, "prefill_ms": pre,
-                       "end_to_end_ms": None if ttft is None or pre is None else ttft + pre})
-    gaps = []
-    for r in range(1, len(run.decode["rounds"])):
-        ends = [[o["metrics"]["arrival_time"] + o["metrics"]["first_token_latency"]
-                 for o in res["rounds"][r]["outputs"] if o.get("metrics")]
-                for res in (run.prefill, run.decode)]
-        if all(ends):
-            gaps.append((max(ends[1]) - max(ends[0])) * 1e3)
-    side = "decode" if mode == "pull" else "prefill"
-    figs = transfer_figures(run, side=side)
-    later = [x["end_to_end_ms"] for x in rounds[1:] if x["end_to_end_ms"] is not None]
-    steady = statistics.median(later) if later else None
-    first = rounds[0]["end_to_end_ms"]
-    n = max(len(rounds), 1)
-    return {
-        "mode": mode, "rounds": rounds, "steady_ms": steady,
-        "first_request_overhead_ms": None if steady is None or first is None else first - steady,
-        "transfers": figs.get("transfers"), "transfer_ms_per_round": (figs.get("transfer_s") or 0) * 1e3 / n,
-        "GB/s": figs.get("GB/s"), "bytes_per_round": (figs.get("bytes") or 0) / n,
-        "gap_ms": statistics.median(gaps) if gaps else None,
-        "problems": transfer_problems(run),
-    }
-
-
-def report(results: dict[str, dict[str, Any]], meta: dict[str, Any]) -> dict[str, Any]:
-    print(f"\nmodel: {meta['model']}; {meta['num_prompts']} prompts x {meta['prompt_len']} tokens; "
-          f"KV per round {meta['kv_bytes'] / 2**20:.1f} MiB; {meta['rounds']} rounds; {meta['cpus']}")
-    print("mode                 steady TTFT  first-req overhead  xfers  xfer ms/round   GB/s"
-          "  exposed gap")
-    for mode, res in results.items():
-        if res.get("failed"):
-            print(f"{mode:20s} FAILED: {res['failed']}")
-            continue
-        print(f"{mode:20s} {_f(res['steady_ms'], '9.1f')} ms  {_f(res['first_request_overhead_ms'], '12.1f')} ms"
-              f"  {_f(res['transfers'], '5.0f')}  {_f(res['transfer_ms_per_round'], '12.1f')}  {_f(res['GB/s'], '6.2f')}"
-              f"  {_f(res.get('gap_ms'), '8.1f')} ms")
-        if res["problems"]:
-            print("   PROBLEMS: " + "; ".join(res["problems"]))
-    out: dict[str, Any] = {}
-    whole, layer, pull = (results.get(k, {}) for k in ("push-whole", "push-layerwise", "pull"))
-    if all(r and not r.get("failed") and r.get("gap_ms") is not None for r in (whole, layer)):
-        xfer = whole["transfer_ms_per_round"]
-        compute = pull.get("rounds", [{}])[-1].get("prefill_ms") if pull and not pull.get("failed") else None
-        hidden = None if not xfer else max(0.0, min(1.0, (whole["gap_ms"] - layer["gap_ms"]) / xfer))
-        out = {"hidden": hidden, "transfer_ms": xfer, "prefill_compute_ms": compute}
-        applies = compute is None or compute > xfer
-        verdict = ("n/a (prefill computation shorter than the transfer)" if not applies else
-                   "PASS" if hidden is not None and hidden >= TARGET_HIDDEN else "FAIL")
-        print(f"\noverlap: layer-by-layer push hides {_f(None if hidden is None else hidden * 100, '.0f')} % "
-              f"of the whole-request transfer ({xfer:.1f} ms per round; prefill computation "
-              f"{_f(compute, '.1f')} ms); target >= {TARGET_HIDDEN:.0%}: {verdict}")
-        out["verdict"] = verdict
+def timeline(log: str) -> list[tuple[str, str, float, dict[str, str]]]:
+    """(event, request id, wall-clock time, fields) of every timeline line in ``log``."""
+    out = []
+    for m in TIMELINE.finditer(log):
+        fields = dict(kv.split("=", 1) for kv in m.group(4).split() if "=" in kv)
+        out.append((m.group(1), m.group(2), float(m.group(3)), fields))
     return out
 
 
+def overlap(prefill_log: str, decode_log: str) -> dict[str, float] | None:
+    """One round's overlap figures from both engines' timelines (ms; worst request)."""
+    p, d = timeline(prefill_log), timeline(decode_log)
+    ends = {rid: t for ev, rid, t, _ in p if ev == "forward_end"}
+    if not ends:
+        return None
+    posted: dict[tuple[str, str], float] = {}
+    saved: dict[tuple[str, str], float] = {}
+    last_saved: dict[str, float] = {}  # the last layer handed over: the last layer computed
+    durations, lags, last_write = [], [], {}
+    for ev, rid, t, f in p:
+        key = (rid, f.get("layers", ""))
+        if ev == "saved":
+            saved[key] = t
+            last_saved[rid] = max(last_saved.get(rid, 0.0), t)
+        elif ev == "posted":
+            posted[key] = t
+            if key in saved:
+                lags.append((t - saved[key]) * 1e3)
+        elif ev == "written":
+            if key in posted:
+                durations.append((t - posted[key]) * 1e3)
+            last_write[rid] = max(last_write.get(rid, 0.0), t)
+    arrived: dict[str, float] = {}
+    for ev, rid, t, _ in d:
+        if ev == "arrived":
+            arrived[rid] = max(arrived.get(rid, 0.0), t)
+    computed = {r: last_saved.get(r, t) for r, t in ends.items()}  # whole push: the forward's end
+    left = [(arrived[r] - computed[r]) * 1e3 for r in ends if r in arrived]
+    left_w = [(last_write[r] - computed[r]) * 1e3 for r in ends if r in last_write]
+    tail = [(ends[r] - computed[r]) * 1e3 for r in ends]
+    if not left:
+        return None
+    return {"left_ms": max(left), "left_to_last_write_ms": max(left_w) if left_w else float("nan"),
+            "forward_tail_ms": max(tail),
+            "write_ms": statistics.median(durations) if durations else float("nan"),
+            "writes": len(durations), "post_lag_ms": statistics.median(lags) if lags else float("nan")}
+
+
 def _f(v: Any, spec: str) -> str:
-    return "-" if v is None else format(v, spec)
+    return "-" if v is None or v != v else format(v, spec)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=10, help="measured rounds per mode (after round 0)")
     ap.add_argument("--num-prompts", type=int, default=2)
     ap.add_argument("--prompt-len", type=int, default=512)
-    ap.add_argument("--max-tokens", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=2)
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--kv-cache-mib", type=int, default=256)
-    ap.add_argument("--modes", default="pull,push-whole,push-layerwise")
-    ap.add_argument("--deadline-s", type=float, default=900)
+    ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--workdir", type=Path, default=None)
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args(argv)
@@ -152,37 +141,119 @@ def main(argv: list[str] | None = None) -> int:
     if reason:
         print(reason, file=sys.stderr)
         return 2
+    from engine_pool import EngineDef, running_pool
+    from forkserver import ForkServer
+
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if any(m not in MODES for m in modes):
+        ap.error(f"modes are among {MODES}")
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="kvb-push-bench-"))
     model = tiny_llama(args.kv_heads, layers=args.layers, heads=args.heads, head_dim=args.head_dim,
                        intermediate=2 * args.heads * args.head_dim)
-    prompts = make_prompts([args.prompt_len] * args.num_prompts, seed=11)
-    engine_kw = {"kv_cache_memory_bytes": args.kv_cache_mib * 2**20,
-                 "max_model_len": max(1024, args.prompt_len + args.max_tokens + 32)}
-    p_cpus, d_cpus = cpu_binding(1, 1)
+    cfg = EngineConfig(cpus="nobind", in_process=True, extra_env={"KVBRIDGE_TIMELINE": "1"},
+                       engine={"kv_cache_memory_bytes": args.kv_cache_mib * 2**20,
+                               "max_model_len": max(1024, args.prompt_len + args.max_tokens + 32)})
+    conns = {"pull": KVBRIDGE_CONNECTOR, "push-whole": kvbridge_push(False),
+             "push-layerwise": kvbridge_push(True)}
+    kv_bytes = 2 * args.layers * args.kv_heads * args.head_dim * 4 * args.prompt_len * args.num_prompts
     meta = {"model": f"{args.layers} layers, {args.kv_heads} KV heads x {args.head_dim}, fp32",
             "num_prompts": args.num_prompts, "prompt_len": args.prompt_len, "rounds": args.rounds,
-            "kv_bytes": 2 * args.layers * args.kv_heads * args.head_dim * 4 * args.prompt_len * args.num_prompts,
-            "cpus": f"prefill cpus {p_cpus}, decode cpus {d_cpus}"}
-    connectors = {"pull": (KVBRIDGE_CONNECTOR, False), "push-whole": (kvbridge_push(False), True),
-                  "push-layerwise": (kvbridge_push(True), True)}
-    results: dict[str, dict[str, Any]] = {}
-    for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
-        if mode not in connectors:
-            ap.error(f"unknown mode {mode!r}; choose from {sorted(connectors)}")
-        conn, push = connectors[mode]
-        try:
-            run = run_disaggregated(conn, model, prompts, args.max_tokens, workdir / mode,
-                                    prefill=EngineConfig(cpus=p_cpus, engine=engine_kw),
-                                    decode=EngineConfig(cpus=d_cpus, engine=engine_kw),
-                                    rounds=args.rounds, deadline_s=args.deadline_s, push=push)
-        except EngineFailed as exc:
-            results[mode] = {"failed": (str(exc).splitlines() or ["?"])[0]}
+            "kv_bytes": kv_bytes, "load_start": os.getloadavg()[0]}
+    server = ForkServer(workdir / "forkserver", os.environ)
+    try:
+        server.wait_ready()
+    except RuntimeError as exc:
+        print(f"fork server off ({exc})")
+        server.close()
+        server = None
+    rows: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
+    problems: list[str] = []
+    try:
+        with running_pool(workdir, "push-bench", server) as pool:
+            defs = []
+            for m in modes:
+                c = replace(conns[m], label=m)
+                defs += [EngineDef(f"{m}-p", model, "prefill", c, cfg), EngineDef(f"{m}-d", model, "decode", c, cfg)]
+            engines = pool.use(*defs)
+            pairs = {m: (engines[2 * i], engines[2 * i + 1]) for i, m in enumerate(modes)}
+            for r in range(args.rounds + 1):
+                prompts = make_prompts([args.prompt_len] * args.num_prompts, seed=1000 + r)
+                for m in modes:
+                    p, d = pairs[m]
+                    po, do = p.log_offset(), d.log_offset()
+                    try:
+                        run = pool.round(p, d, prompts, args.max_tokens, push=m != "pull")
+                    except EngineFailed as exc:
+                        problems.append(f"{m} round {r}: {(str(exc).splitlines() or ['?'])[0]}")
+                        return 1
+                    dt, pt = _ttft_ms(run.decode["rounds"][0]), _ttft_ms(run.prefill["rounds"][0])
+                    ttft = None if dt is None else dt + ((pt or 0.0) if m == "pull" else 0.0)
+                    figs = transfer_figures(run, side="decode" if m == "pull" else "prefill")
+                    row = {"round": r, "ttft_ms": ttft, "transfer_ms": (figs.get("transfer_s") or 0) * 1e3,
+                           "transfers": figs.get("transfers"), "GB/s": figs.get("GB/s"),
+                           **(overlap(p.log_since(po), d.log_since(do)) or {})}
+                    problems += [f"{m} round {r}: {x}" for x in transfer_problems(run)]
+                    rows[m].append(row)
+                    print(f"round {r:2d} {m:15s} TTFT {_f(ttft, '8.1f')} ms  transfer {_f(row['transfer_ms'], '7.1f')} ms"
+                          f"  left after last layer {_f(row.get('left_ms'), '7.1f')} ms (last WRITE "
+                          f"{_f(row.get('left_to_last_write_ms'), '6.1f')}), layer WRITE {_f(row.get('write_ms'), '5.1f')} ms",
+                          flush=True)
+    finally:
+        if server is not None:
+            server.close()
+    return report(rows, meta, problems, args.json)
+
+
+def report(rows: dict[str, list[dict[str, Any]]], meta: dict[str, Any], problems: list[str],
+           json_path: Path | None) -> int:
+    meta["load_end"] = os.getloadavg()[0]
+    print(f"\nmodel: {meta['model']}; {meta['num_prompts']} prompts x {meta['prompt_len']} tokens; KV per "
+          f"round {meta['kv_bytes'] / 2**20:.1f} MiB; {meta['rounds']} interleaved rounds per mode after "
+          f"round 0; load {meta['load_start']:.1f} -> {meta['load_end']:.1f}")
+    print("mode             TTFT median (min-max)          transfer ms  GB/s   left after last layer  layer WRITE")
+    summary: dict[str, dict[str, Any]] = {}
+    for m, rs in rows.items():
+        later = [x for x in rs if x["round"] > 0 and x["ttft_ms"] is not None]
+        if not later:
             continue
-        results[mode] = summarise(run, "pull" if not push else mode)
-    overlap = report(results, meta)
-    if args.json:
-        args.json.write_text(json.dumps({"meta": meta, "results": results, "overlap": overlap}, indent=1))
-    return 1 if any(r.get("failed") for r in results.values()) else 0
+        t = [x["ttft_ms"] for x in later]
+
+        def med(k: str, xs: list[dict[str, Any]] = later) -> float:
+            v = [x[k] for x in xs if x.get(k) is not None and x[k] == x[k]]
+            return statistics.median(v) if v else float("nan")
+
+        summary[m] = {"ttft_ms": statistics.median(t), "ttft_min": min(t), "ttft_max": max(t),
+                      "transfer_ms": med("transfer_ms"), "GB/s": med("GB/s"), "left_ms": med("left_ms"),
+                      "left_to_last_write_ms": med("left_to_last_write_ms"), "write_ms": med("write_ms"),
+                      "forward_tail_ms": med("forward_tail_ms"),
+                      "post_lag_ms": med("post_lag_ms"),
+                      "left_max": max((x.get("left_ms", float("nan")) for x in later), default=float("nan"))}
+        s = summary[m]
+        print(f"{m:15s} {s['ttft_ms']:8.1f} ms ({s['ttft_min']:.1f}-{s['ttft_max']:.1f})"
+              f"  {_f(s['transfer_ms'], '9.1f')}  {_f(s['GB/s'], '5.2f')}  {_f(s['left_ms'], '8.1f')} ms"
+              f"      {_f(s['write_ms'], '6.1f')} ms")
+    lw = summary.get("push-layerwise")
+    if lw:
+        limit = LAYERS_OF_WRITE * lw["write_ms"]
+        ok = lw["left_ms"] <= limit
+        print(f"\noverlap: after the last layer was computed (handed over), layer-by-layer push had {lw['left_ms']:.1f} ms left "
+              f"to the decode engine's last arrival (median; worst {lw['left_max']:.1f} ms; to the last "
+              f"WRITE's completion {lw['left_to_last_write_ms']:.1f} ms; the forward pass ended "
+              f"{lw['forward_tail_ms']:.1f} ms after the last layer); target <= {LAYERS_OF_WRITE:g} layers' "
+              f"WRITEs = {limit:.1f} ms: {'PASS' if ok else 'FAIL'} (WRITE posted {lw['post_lag_ms']:.1f} ms after "
+              "its layer was handed over, median)")
+        others = {m: summary[m]["ttft_ms"] for m in ("pull", "push-whole") if m in summary}
+        if others:
+            faster = all(lw["ttft_ms"] < v for v in others.values())
+            print(f"decode TTFT: layer by layer {lw['ttft_ms']:.1f} ms vs " +
+                  ", ".join(f"{m} {v:.1f} ms" for m, v in others.items()) +
+                  f"; target lower than both: {'PASS' if faster else 'FAIL'}")
+    if problems:
+        print("PROBLEMS:\n  " + "\n  ".join(problems[:10]))
+    if json_path:
+        json_path.write_text(json.dumps({"meta": meta, "rows": rows, "summary": summary,
+                                         "problems": problems}, indent=1))
+    return 1 if problems else 0
 
 
 if __name__ == "__main__":

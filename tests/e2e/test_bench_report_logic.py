@@ -66,3 +66,24 @@ def test_serving_kv_check_needs_bytes_and_no_failures() -> None:
     assert b.startswith("prefill:") and p_failed.startswith("prefill:") and not d_failed.startswith("prefill:")
     assert srv.kv_check("push", {}, {b: 4096.0, n: 2.0})["kv"].startswith("PASS (2 transfers")
     assert srv.kv_check("push", {}, {b: 4096.0, n: 2.0, p_failed: 1.0})["kv"].startswith("FAIL")
+
+
+def test_push_overlap_reads_both_engines_timelines() -> None:
+    bp = _bench("bench_push")
+    pre = "\n".join([
+        "INFO kvbridge-timeline saved r1 t=10.000 layers=0",
+        "INFO kvbridge-timeline posted r1 t=10.001 layers=0",
+        "INFO kvbridge-timeline written r1 t=10.003 layers=0",
+        "INFO kvbridge-timeline saved r1 t=10.010 layers=1",
+        "INFO kvbridge-timeline posted r1 t=10.012 layers=1",
+        "INFO kvbridge-timeline forward_end r1 t=10.013",
+        "INFO kvbridge-timeline written r1 t=10.016 layers=1",
+    ])
+    dec = "INFO kvbridge-timeline arrived r1 t=10.020 rank=0\nINFO other line"
+    o = bp.overlap(pre, dec)
+    # measured from the last layer's hand-over (10.010), not the forward's end (10.013)
+    assert round(o["left_ms"], 3) == 10.0 and round(o["left_to_last_write_ms"], 3) == 6.0
+    assert round(o["forward_tail_ms"], 3) == 3.0
+    assert round(o["write_ms"], 3) == 3.0 and o["writes"] == 2
+    assert round(o["post_lag_ms"], 3) == 1.5
+    assert bp.overlap("no timeline", dec) is None

@@ -255,3 +255,30 @@ def test_a_push_that_times_out_before_its_write_is_posted_leaves_no_handle():
         for gate in gates:
             gate.set()
         pair.close()
+
+
+def test_decode_is_told_without_waiting_for_the_prefill_poll(pair):
+    """Once every layer was named and the push finished, the prefill worker notifies decode as
+    soon as the WRITEs completed: decode learns it while the prefill engine is not polled."""
+    d_blocks, p_blocks = [2, 5], [1, 3]
+    kv = _fill(pair, p_blocks, seed=23)
+    ntok = len(p_blocks) * pair.p_spec.block_size
+    pair.dec.expect("w", "prefill", pair.p_spec.tp_size, "tok-w", (d_blocks,))
+    for e in pair.pre:
+        e.push_start("w", (p_blocks,), _target(pair, "w", d_blocks))
+    _drain(pair, 0.2)  # the handshake
+    for e in pair.pre:
+        e.push_layers("w", [0, 1, 2, 3])
+        e.push_finish("w")
+    done: list[str] = []
+    end = time.monotonic() + 10
+    while not done and time.monotonic() < end:  # only the decode side polls
+        done += pair.dec.poll().done
+        time.sleep(0.002)
+    assert done == ["w"]
+    assert pair.dc.verify(kv, d_blocks, 0, ntok) == 0
+    # the prefill side then releases the blocks, and notified each decode rank only once
+    _, failed, released = pair.run(lambda d, f, r: len(r) == 2)
+    assert not failed and {r.reason for r in released} == {"written"}
+    assert [e.stats.notifications_sent for e in pair.pre] == [1, 1]
+    assert pair.dec.stats.notifications_unknown == 0

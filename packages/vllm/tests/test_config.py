@@ -221,3 +221,16 @@ def test_complete_in_background_reaches_the_engine_config() -> None:
     assert off.complete_in_background_s == 0
     with pytest.raises(ConfigError, match="complete_in_background"):
         parse_connector_config({"complete_in_background": "sometimes"}, env={})
+
+
+def test_warm_up_reaches_the_engine_config() -> None:
+    from kvbridge.vllm.registration import engine_config
+
+    on = engine_config(parse_connector_config({}, env={}), mem_type="DRAM", model="m",
+                       attention_backend="b")
+    assert on.warm_up is True
+    off = engine_config(parse_connector_config({"warm_up": False}, env={}), mem_type="DRAM",
+                        model="m", attention_backend="b")
+    assert off.warm_up is False
+    with pytest.raises(ConfigError, match="warm_up"):
+        parse_connector_config({"warm_up": "maybe"}, env={})

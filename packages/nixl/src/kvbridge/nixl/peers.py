@@ -17,6 +17,7 @@ peer that is gone.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -53,11 +54,29 @@ class Peer:
     handshake_ms: float = 0.0
     #: handshake phases (ms): side-channel metadata, loading + connecting agents, list preparation
     phases_ms: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    #: ``time.perf_counter()`` marks of this peer's first request, for the log line of its first
+    #: completed transfer: created (a request named it), handshake began on the worker, handshake
+    #: ended, first transfer posted, first completion seen (0.0: not yet)
+    marks: dict[str, float] = field(default_factory=lambda: {"created": time.perf_counter()})
 
     @property
     def usable(self) -> bool:
         """The handshake succeeded and the peer was not dropped since (either thread)."""
         return self.handshaked and not self.error and self.state != "failed"
+
+
+def first_done(peer: Peer | None) -> None:
+    """Log, once per peer, where its first request's time went (ms after a request first named
+    the peer): the handshake's start and end, the first post, the first completion seen."""
+    if peer is None or "done" in peer.marks:
+        return
+    m = peer.marks
+    m["done"] = time.perf_counter()
+    at = {k: (m[k] - m["created"]) * 1e3 if k in m else float("nan")
+          for k in ("handshake", "handshaked", "posted", "done")}
+    log.info("first transfer with engine %s: handshake began at %.1f ms, ended at %.1f ms, "
+             "first post at %.1f ms, first completion seen at %.1f ms", peer.engine_id,
+             at["handshake"], at["handshaked"], at["posted"], at["done"])
 
 
 class PeerTable:

@@ -125,6 +125,7 @@ class PullReads(DecodeMode):
         try:
             prep = self._build(ld, peer, parts)
             for q, x in parts.items():
+                peer.marks.setdefault("posted", time.perf_counter())
                 if e.agent.post(x) == "ERR":
                     raise NixlError(f"posting the READ from engine {peer.engine_id!r} rank {q} failed")
             rp = e.rank_plan(peer.plan)

@@ -13,6 +13,7 @@ request's blocks when the WRITEs completed (or failed, or timed out).
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass, field, replace
 
@@ -26,6 +27,7 @@ from .groups import flat_ids, group_arrays, pair_indices
 from .messages import Kind, Notification, encode_notification, parse_notification
 from .modes import DecodeMode, Load, PrefillMode
 from .peers import Peer
+from .timeline import mark
 
 log = logging.getLogger("kvbridge.nixl")
 
@@ -126,6 +128,7 @@ class PushReceiver(DecodeMode):
         if n.decode_tp != ld.peer.tp_size or n.decode_rank not in ld.expect_from:
             e.stats.notifications_malformed += 1
             return
+        mark("arrived", n.request_id, rank=n.decode_rank)
         e.part_done(ld, n.decode_rank)
 
 
@@ -163,6 +166,19 @@ class Push:
     #: the release of a push that finished with posting jobs still in flight, reported once
     #: they all came back and their WRITE handles were released (see PushWrites._finish)
     pending_release: Released | None = None
+    #: layered: the WRITTEN notifications were sent (by the worker as soon as it saw every WRITE
+    #: complete, or by poll()); ``lock`` makes that happen once
+    notified: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    #: every WRITE the worker posted for this push (appended on the worker thread only)
+    posted: list[Transfer] = field(default_factory=list)
+    #: a posting job of this push failed (set on the worker thread)
+    post_failed: bool = False
+
+    @property
+    def tag(self) -> str:
+        """The request's name in timeline lines: the decode engine's id when known."""
+        return self.target.request_id or self.request_id
 
 
 @dataclass(frozen=True, eq=False)
@@ -193,6 +209,7 @@ class PushWrites(PrefillMode):
 
     # ----- entry points (caller thread) -------------------------------------------
     def push(self, request_id: str, block_ids: tuple[np.ndarray, ...], target: TransferParams) -> None:
+        mark("forward_end", target.request_id or request_id)
         self._start(request_id, block_ids, target, layered=False)
 
     def start(self, request_id: str, block_ids: tuple[np.ndarray, ...], target: TransferParams) -> None:
@@ -209,6 +226,7 @@ class PushWrites(PrefillMode):
         if not new:
             return
         p.sent.update(new)
+        mark("saved", p.tag, layers=",".join(map(str, new)))
         self._ask(p, new, False)
 
     def _ask(self, p: Push, layers: tuple[int, ...], mamba: bool) -> None:
@@ -221,6 +239,7 @@ class PushWrites(PrefillMode):
         p = self._open(request_id)
         if p.closing:
             return
+        mark("forward_end", p.tag)
         p.closing = True
         rest = tuple(x for x in range(self.engine.spec.num_layers) if x not in p.sent)
         p.sent.update(rest)
@@ -228,6 +247,27 @@ class PushWrites(PrefillMode):
             self._ask(p, rest, False)
         if any(not g.attention for g in self.engine.groups):  # the Mamba state, once complete
             self._ask(p, (), True)
+        if not p.waiting and self.engine.config.post_in_background:
+            peer = p.peer
+            self.engine.submit(lambda: self._notify_when_written(p, peer))
+
+    def _notify_when_written(self, p: Push, peer: Peer) -> None:
+        """Worker thread, after the push's last posting job: wait (``drive``) for its WRITEs and
+        send the WRITTEN notifications at once, rather than at this engine's next ``poll()``
+        (a vLLM step away: the decode engine would wait for it). Leaves it to ``poll()`` when
+        the WRITEs take longer than ``complete_in_background_s`` or anything went wrong."""
+        e = self.engine
+        xs = list(p.posted)
+        e.drive(xs)
+        with p.lock:
+            if (p.notified or p.finished or p.post_failed or p.asked or not e.peers.is_current(peer)
+                    or any(not x.released and e.agent.state(x) != "DONE" for x in xs)):
+                return
+            try:
+                self._notify_all(p)
+            except NixlError:  # poll() tries again and fails the push if it must
+                return
+            p.notified = True
 
     def _open(self, request_id: str) -> Push:
         p = self._pushes.get(request_id)
@@ -283,6 +323,8 @@ class PushWrites(PrefillMode):
         e.report(event)
         if event.error is None and e.config.complete_in_background_s > 0:
             e.drive(event.parts.values())
+            if event.parts:
+                mark("written", p.tag, layers="all" if layers is None else ",".join(map(str, layers)))
 
     def _post_job(self, p: Push, peer: Peer, layers: tuple[int, ...] | None,
                   mamba: bool) -> WritesPosted:
@@ -297,6 +339,7 @@ class PushWrites(PrefillMode):
                 return WritesPosted(p, parts, None)
             if not (peer.usable and e.peers.is_current(peer)):
                 raise ValueError(f"engine {peer.engine_id!r} was dropped before the WRITE was posted")
+            mark("posted", p.tag, layers="all" if layers is None else ",".join(map(str, layers)))
             skip = p.target.computed_tokens // peer.spec.block_size
             read_by = plan.prefill_ranks[e.rank].read_by
             bound = min((peer.infos[r].num_blocks for r in read_by), default=1)
@@ -312,12 +355,16 @@ class PushWrites(PrefillMode):
                     continue
                 x = e.agent.make_transfer("WRITE", peer.local_lists[r], mi, peer.remote_lists[r], ti, msg)
                 parts[r] = x
+                p.posted.append(x)
+                peer.marks.setdefault("posted", time.perf_counter())
                 if e.agent.post(x) == "ERR":
                     raise NixlError(f"posting the WRITE to engine {peer.engine_id!r} rank {r} failed")
         except (NixlError, ValueError, KeyError) as exc:
             err = str(exc) or type(exc).__name__
         except Exception as exc:  # the worker must survive anything
             err = f"{type(exc).__name__}: {exc}"
+        if err is not None:
+            p.post_failed = True  # never notify early: a layer may be missing
         return WritesPosted(p, parts, err)
 
     def _written(self, p: Push) -> bytes:
@@ -351,6 +398,7 @@ class PushWrites(PrefillMode):
         for r in p.peer.plan.prefill_ranks[e.rank].read_by:
             e.agent.notify(p.peer.agents[r], msg)
             e.stats.notifications_sent += 1
+        mark("notified", p.tag)
 
     def _finish(self, p: Push, error: str | None, kind: FailureKind | None = None) -> None:
         """End a push: release its WRITE handles, then its blocks. A posting job still
@@ -394,11 +442,14 @@ class PushWrites(PrefillMode):
                 broken.append(p.peer)
             elif p.closing and not p.transfers and not p.in_flight and not p.asked:
                 if p.layered:
-                    try:
-                        self._notify_all(p)
-                    except NixlError as exc:
-                        self._finish(p, str(exc), FailureKind.TRANSFER)
-                        continue
+                    with p.lock:
+                        try:
+                            if not p.notified:
+                                self._notify_all(p)
+                                p.notified = True
+                        except NixlError as exc:
+                            self._finish(p, str(exc), FailureKind.TRANSFER)
+                            continue
                 self._finish(p, None)
             elif now >= p.deadline:
                 self._finish(p, "WRITE timed out", FailureKind.TIMEOUT)

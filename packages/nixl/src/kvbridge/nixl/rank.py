@@ -51,8 +51,9 @@ from .config import (
 )
 from .groups import engine_groups
 from .messages import notification_key
-from .peers import Peer, PeerTable
+from .peers import Peer, PeerTable, first_done
 from .stats import Stats
+from .warmup import scratch_buffer, warm_up
 from .worker import EventQueue, Job, Worker
 
 log = logging.getLogger("kvbridge.nixl")
@@ -142,11 +143,18 @@ class RankEngine:
                       self.huge_pages.advised_bytes >> 20, self.huge_pages.collapsed_bytes >> 20,
                       f" ({'; '.join(self.huge_pages.errors)})" if self.huge_pages.errors else "")
         self.agent = NixlAgent(f"{spec.engine_id}/{self.role}{rank}/{self.incarnation}", self.config.agent)
+        #: the warm-up's scratch memory (registered while the agent lives), None without one
+        self._scratch = (scratch_buffer() if self.config.warm_up and self.config.mem_type == "DRAM"
+                         and self.config.agent.progress_thread else None)
         try:
             self.agent.register(regions.registration_descs(), self.config.mem_type)
+            if self._scratch is not None:
+                self.agent.register([(self._scratch.ctypes.data, self._scratch.nbytes, 0)], "DRAM")
         except Exception:
             self.agent.close()
             raise
+        if self._scratch is not None:
+            self._warm_up()
         self.server: MetadataServer | None = None
         self._own_server = False
         self._advertised: tuple[str, int] | None = None
@@ -249,20 +257,31 @@ class RankEngine:
         """Descriptors for peer rank ``q``, and whether this rank is the plan's local (decode) side."""
         raise NotImplementedError
 
+    def _warm_up(self) -> None:
+        """At construction: :func:`~kvbridge.nixl.warmup.warm_up` (best effort)."""
+        try:
+            ms = warm_up(self.agent, self._scratch, timeout_s=self.config.handshake_timeout_s)
+        except Exception as exc:  # the first request pays the connection costs instead
+            log.warning("rank %d: NIXL warm-up failed (%s); the first request pays the connection "
+                        "set-up instead", self.rank, exc)
+        else:
+            log.info("rank %d: NIXL warm-up took %.1f ms", self.rank, ms)
+
     # ----- handshakes -------------------------------------------------------
     def _start_handshake(self, peer: Peer) -> None:
         self._worker.submit(lambda: self._handshake_job(peer))
 
     def _handshake_job(self, peer: Peer) -> None:
         """Worker thread: handshake with ``peer``, then queue its outcome for the caller."""
-        t0 = time.perf_counter()
+        t0 = peer.marks["handshake"] = time.perf_counter()
         try:
             self._handshake(peer)
         except (HandshakeError, NixlError, TopologyError, ValueError) as exc:
             peer.error = str(exc)
         except Exception as exc:  # never let a peer's input kill the worker
             peer.error = f"{type(exc).__name__}: {exc}"
-        peer.handshake_ms = (time.perf_counter() - t0) * 1e3
+        peer.marks["handshaked"] = time.perf_counter()
+        peer.handshake_ms = (peer.marks["handshaked"] - t0) * 1e3
         peer.handshaked = True
         self._events.put(HandshakeEnded(peer))
 
@@ -367,8 +386,9 @@ class RankEngine:
             peer.state = "ready"
             meta_ms, agents_ms, lists_ms = peer.phases_ms
             log.info("handshake with engine %s (TP %d) took %.1f ms: metadata %.1f ms, agents "
-                     "%.1f ms, lists %.1f ms", peer.engine_id, peer.tp_size, peer.handshake_ms,
-                     meta_ms, agents_ms, lists_ms)
+                     "%.1f ms, lists %.1f ms; queued %.1f ms before it began",
+                     peer.engine_id, peer.tp_size, peer.handshake_ms, meta_ms, agents_ms, lists_ms,
+                     (peer.marks["handshake"] - peer.marks["created"]) * 1e3)
         else:
             log.warning("handshake with engine %s failed: %s", peer.engine_id, err)
             self.peers.drop(peer, stale=False)
@@ -400,6 +420,7 @@ class RankEngine:
                 continue
             if st != "DONE":
                 return done, rank
+            first_done(self.peers.get(peer_engine))
             record_done(self.agent, self.stats, x, self._records, peer_engine)
             del transfers[rank]
             done.append(rank)

@@ -49,6 +49,7 @@ class ConnectorConfig:
     progress_thread: bool = True
     huge_pages: bool = True
     complete_in_background: bool = True
+    warm_up: bool = True
     lease_seconds: float = 120.0
     heartbeat_seconds: float = None  # type: ignore[assignment]  # resolved to lease / 4
     handshake_timeout_seconds: float = 10.0
@@ -126,6 +127,10 @@ CONFIG_KEYS: tuple[ConfigKey, ...] = (
               "decode: the worker thread that posts a request's READs checks them until they "
               "complete (else only the once-per-step poll does, and large host READs advance "
               "only then)"),
+    ConfigKey("warm_up", ("KVBRIDGE_WARM_UP",),
+              "at start, connect each rank's NIXL agent once to a throwaway agent and move a few "
+              "bytes both ways, so that the first request does not pay the one-time connection "
+              "set-up (host memory with the progress thread only)"),
     ConfigKey("lease_seconds", ("KVBRIDGE_LEASE_SECONDS",),
               "how long prefill holds a request's blocks for decode without renewal"),
     ConfigKey("heartbeat_seconds", ("KVBRIDGE_HEARTBEAT_SECONDS",),
@@ -278,6 +283,7 @@ _PARSERS: dict[str, Callable[[str, Any, str | None], Any]] = {
     "transfer_cpus": _cpus,
     "huge_pages": _bool,
     "complete_in_background": _bool,
+    "warm_up": _bool,
     "side_channel_host": _host,
     "side_channel_port": lambda k, v, e: _int(k, v, e, lo=1, hi=65535),
     "auth_key": _auth_key,

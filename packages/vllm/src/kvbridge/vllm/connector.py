@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -37,6 +38,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
+from kvbridge.nixl import TIMELINE_LOGGER
 from kvbridge.vllm import shims
 from kvbridge.vllm.cachespec import CacheShapeError
 from kvbridge.vllm.config import (
@@ -103,7 +105,10 @@ def _incarnation(vllm_config: VllmConfig, engine_id: str) -> str:
 
 
 def _route_logs() -> None:
-    """Send kvbridge's log records where vLLM's go (vLLM configures only its own loggers)."""
+    """Send kvbridge's log records where vLLM's go (vLLM configures only its own loggers).
+    The push timeline (:mod:`kvbridge.nixl.timeline`) logs only with ``KVBRIDGE_TIMELINE=1``."""
+    logging.getLogger(TIMELINE_LOGGER).setLevel(
+        logging.INFO if os.environ.get("KVBRIDGE_TIMELINE") == "1" else logging.WARNING)
     ours, theirs = logging.getLogger("kvbridge"), logging.getLogger("vllm")
     if ours.handlers or not theirs.handlers:
         return
