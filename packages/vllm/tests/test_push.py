@@ -228,3 +228,46 @@ def test_offers_of_one_batch_are_scheduled_together() -> None:
         now[0] += BATCH_WINDOW_S / 2
         st.on_offer(offer(f"x{now[0]:f}"))
     assert now[0] - t0 <= BATCH_CAP_S + BATCH_WINDOW_S
+
+
+def test_offers_older_than_the_transfer_timeout_are_never_written_into() -> None:
+    """The decode engine gives up on an offer after its transfer timeout and may reuse the
+    blocks: the prefill engine must then neither keep nor push into that offer."""
+    from kvbridge.handshake import PushOffer
+    from kvbridge.vllm.push.scheduler import PushScheduler
+
+    now = [100.0]
+    st = PushScheduler(engine_id="P", block_size=16, tp_size=1, address=("127.0.0.1", 1), layerwise=False,
+                       wait_s=30, send_offer=None, clock=lambda: now[0])
+    st.set_served("", dict(block_size=16, kernel_blocks_per_block=1, head_order="HND"))
+
+    def offer(tid):
+        return PushOffer(protocol_version=1, transfer_id=tid, engine_id="D", host="h", port=1,
+                         tp_size=1, block_size=16, block_ids=[[7]], token="t")
+
+    # an offer whose request comes too late is not taken: computed without a transfer
+    st.on_offer(offer("late"))
+    now[0] += 31
+    assert st.matched_tokens("late", _prefill_params("late"), 16, 0) == (0, False)
+    # unclaimed offers are forgotten once stale (the next offer sweeps them)
+    st.on_offer(offer("never"))
+    now[0] += 31
+    st.on_offer(offer("fresh"))
+    now[0] += 1  # past the batch window (the waiting "never" request would hold "fresh" back)
+    assert st.matched_tokens("never", _prefill_params("never"), 16, 0) == (None, False)
+    # an offer taken in time, but whose prompt completes after the timeout, is not pushed
+    assert st.matched_tokens("fresh", _prefill_params("fresh"), 16, 0) == (0, False)
+    st.after_alloc("fresh", _prefill_params("fresh"), 16, alloc([[3]]), 0)
+    now[0] += 31
+    assert st.take_orders([("fresh", 0, 16, None)]).pushes == ()
+    assert st.finished("fresh", _prefill_params("fresh"), completed=True, block_ids=((3,),),
+                       num_computed_tokens=16, num_prompt_tokens=16) == (False, None)
+    # control: the same sequence within the offer's lifetime (27 s of the 30) pushes
+    assert st.offer_lifetime_s == pytest.approx(27)
+    st.on_offer(offer("ok"))
+    now[0] += 1
+    assert st.matched_tokens("ok", _prefill_params("ok"), 16, 0) == (0, False)
+    st.after_alloc("ok", _prefill_params("ok"), 16, alloc([[4]]), 0)
+    now[0] += 25
+    (push,) = st.take_orders([("ok", 0, 16, None)]).pushes
+    assert push.block_ids == ((4,),) and push.target.block_ids == ((7,),)

@@ -64,6 +64,10 @@ MAX_OFFERS = 65536
 #: computed in one step rather than one request per forward pass
 BATCH_WINDOW_S = 0.005
 BATCH_CAP_S = 0.05
+#: an offer is written into only while younger than this share of the transfer timeout
+#: (the decode engine's deadline runs from about the offer's arrival; the rest of the
+#: timeout is left for the WRITEs to land before it gives up and may reuse the blocks)
+OFFER_LIFETIME_SHARE = 0.9
 
 
 @dataclass
@@ -231,15 +235,46 @@ class PushScheduler(SchedulerMode):
         facts = self.accept_facts
         if facts is None:
             raise ValueError(f"engine {self.engine_id!r} has not registered its KV cache yet")
+        now = self._clock()
         with self._lock:
+            self._drop_stale_offers(now)
             if len(self._offers) >= MAX_OFFERS:
                 oldest = min(self._offers, key=lambda k: self._offers[k][0])
                 del self._offers[oldest]
-            self._offers[offer.transfer_id] = (self._clock(), offer)
-            self._last_offer = self._clock()
+            self._offers.pop(offer.transfer_id, None)  # a repeated offer counts from now
+            self._offers[offer.transfer_id] = (now, offer)
+            self._last_offer = now
         return PushAccept(protocol_version=PROTOCOL_VERSION, transfer_id=offer.transfer_id,
                           engine_id=self.engine_id, tp_size=self.tp_size, incarnation=self.incarnation,
                           **facts)
+
+    @property
+    def offer_lifetime_s(self) -> float:
+        """How long an offer may be written into after it arrived."""
+        return self.wait_s * OFFER_LIFETIME_SHARE
+
+    def _drop_stale_offers(self, now: float) -> None:
+        """Forget offers no request took within :attr:`offer_lifetime_s` (caller holds
+        the lock). Their decode engine has given up on them (its own transfer timeout, the
+        same ``transfer_timeout_seconds``) and may have handed the blocks to another
+        request, so writing into them later would corrupt that request's KV."""
+        while self._offers:
+            tid = next(iter(self._offers))  # arrival order
+            if now - self._offers[tid][0] <= self.offer_lifetime_s:
+                return
+            del self._offers[tid]
+            log.warning("push offer for transfer %s dropped: no request took it within %.0f s",
+                        tid, self.offer_lifetime_s)
+
+    def _stale(self, w: _Waiting, request_id: str) -> bool:
+        """Whether ``w``'s offer is too old to write into (see :meth:`_drop_stale_offers`);
+        logged once, and the request is then computed without a transfer."""
+        if self._clock() - w.offer_at <= self.offer_lifetime_s:
+            return False
+        log.warning("request %s: the decode engine's offer for transfer %s is older than %.0f s "
+                    "(of transfer_timeout_seconds); not pushing into blocks it may have reused",
+                    request_id, w.transfer_id, self.offer_lifetime_s)
+        return True
 
     def _prefill_matched(self, request_id: str, params: Mapping[str, Any], r: Route,
                          num_prompt_tokens: int) -> tuple[int | None, bool]:
@@ -255,6 +290,9 @@ class PushScheduler(SchedulerMode):
                 got = self._offers.pop(w.transfer_id, None)
             if got is not None:
                 w.offer_at, w.offer = got
+                if self._stale(w, request_id):
+                    self._waiting.pop(request_id, None)
+                    return 0, False
             elif self._clock() - w.since < self.wait_s:
                 return None, False
             else:
@@ -284,6 +322,8 @@ class PushScheduler(SchedulerMode):
                 continue  # a chunk of a longer prompt: push with the last one
             o = w.offer
             w.ordered = True
+            if self._stale(w, rid):
+                continue
             n = blocks_for_tokens(w.num_prompt_tokens, self.block_size)
             ids = tuple(g[:n] for g in w.block_ids)
             target_ids = tuple(tuple(int(b) for b in g) for g in o.block_ids)
