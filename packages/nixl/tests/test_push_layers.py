@@ -282,3 +282,31 @@ def test_decode_is_told_without_waiting_for_the_prefill_poll(pair):
     assert not failed and {r.reason for r in released} == {"written"}
     assert [e.stats.notifications_sent for e in pair.pre] == [1, 1]
     assert pair.dec.stats.notifications_unknown == 0
+
+
+def test_naming_every_layer_closes_the_push_without_waiting_for_finish(pair):
+    """An attention-only model's push is complete once every layer was named: decode is told
+    when those WRITEs land, before push_finish (the forward pass's tail) comes."""
+    d_blocks, p_blocks = [4, 6], [2, 7]
+    kv = _fill(pair, p_blocks, seed=31)
+    ntok = len(p_blocks) * pair.p_spec.block_size
+    pair.dec.expect("e", "prefill", pair.p_spec.tp_size, "tok-e", (d_blocks,))
+    for e in pair.pre:
+        e.push_start("e", (p_blocks,), _target(pair, "e", d_blocks))
+        e.push_layers("e", [0, 1, 2])
+    _wait_written(pair, lambda: pair.dc.verify(kv, d_blocks, 0, ntok, layers=[0, 1, 2]) == 0)
+    assert _drain(pair, 0.3)[0] == []  # three of four layers: not complete
+    for e in pair.pre:
+        e.push_layers("e", [3])
+    done, failed, released = pair.run(lambda d, f, r: d)
+    assert done == ["e"] and not failed
+    assert pair.dc.verify(kv, d_blocks, 0, ntok) == 0
+    for e in pair.pre:
+        e.push_finish("e")  # comes after the forward pass: nothing left to do, no error
+        with pytest.raises(ValueError):  # closed (and perhaps already released by poll)
+            e.push_layers("e", [0])
+    if len(released) < 2:
+        _, failed, more = pair.run(lambda d, f, r: len(released) + len(r) == 2)
+        released += more
+    assert not failed and len(released) == 2 and {r.reason for r in released} == {"written"}
+    assert [e.stats.notifications_sent for e in pair.pre] == [1, 1]

@@ -199,6 +199,8 @@ class PushWrites(PrefillMode):
     def __init__(self, engine) -> None:
         super().__init__(engine)
         self._pushes: dict[str, Push] = {}
+        #: layered pushes closed by write_layers (every layer named) whose finish() is to come
+        self._closed_early: set[str] = set()
         #: finished pushes whose blocks stay held until their posting jobs came back
         self._draining: list[Push] = []
         self._released: list[Released] = []
@@ -228,6 +230,11 @@ class PushWrites(PrefillMode):
         p.sent.update(new)
         mark("saved", p.tag, layers=",".join(map(str, new)))
         self._ask(p, new, False)
+        if len(p.sent) == self.engine.spec.num_layers and all(g.attention for g in self.engine.groups):
+            # every layer is in the cache and there is no Mamba state to wait for: close now,
+            # so decode is told when these WRITEs land, not after the forward pass's tail
+            self._closed_early.add(request_id)
+            self._close(p)
 
     def _ask(self, p: Push, layers: tuple[int, ...], mamba: bool) -> None:
         if p.waiting:
@@ -236,10 +243,19 @@ class PushWrites(PrefillMode):
             self._dispatch(p, layers, mamba)
 
     def finish(self, request_id: str) -> None:
+        if request_id in self._closed_early:  # closed when its last layer was named
+            self._closed_early.discard(request_id)
+            p = self._pushes.get(request_id)
+            mark("forward_end", p.tag if p is not None else request_id)
+            return
         p = self._open(request_id)
         if p.closing:
             return
         mark("forward_end", p.tag)
+        self._close(p)
+
+    def _close(self, p: Push) -> None:
+        """No more layers will be named: write the rest, and notify once all is written."""
         p.closing = True
         rest = tuple(x for x in range(self.engine.spec.num_layers) if x not in p.sent)
         p.sent.update(rest)
