@@ -107,17 +107,14 @@ class RouterConfig:
             v = getattr(self, f)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
                 raise ConfigError(f"{f} must be a positive number of seconds, got {v!r}")
-        for f in ("max_connections", "max_body_bytes", "unhealthy_after"):
+        for f in ("max_connections", "max_body_bytes", "unhealthy_after", "prefix_block_tokens",
+                  "prefix_blocks", "prefix_chars_per_token"):
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ConfigError(f"{f} must be a positive integer, got {v!r}")
         if self.prefix_placement not in PREFIX_PLACEMENTS:
             raise ConfigError(f"prefix_placement must be one of {', '.join(PREFIX_PLACEMENTS)}, "
                               f"got {self.prefix_placement!r}")
-        for f in ("prefix_block_tokens", "prefix_blocks", "prefix_chars_per_token"):
-            v = getattr(self, f)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ConfigError(f"{f} must be a positive integer, got {v!r}")
         v = self.prefix_load_margin
         if not isinstance(v, int) or isinstance(v, bool) or v < 0:
             raise ConfigError(f"prefix_load_margin must be a non-negative integer (requests in "
@@ -199,10 +196,6 @@ def config_from_mapping(data: Mapping[str, Any], where: str = "config") -> Route
     if unknown:
         raise ConfigError(f"{where}: unknown key(s) {', '.join(unknown)}; valid: {', '.join(sorted(_FIELDS))}")
     kw = dict(data)
-    channels = kw.get("prefill_side_channels", {})
-    if not isinstance(channels, Mapping):
-        raise ConfigError(f"{where}: prefill_side_channels must be an object mapping prefill "
-                          "URLs to 'host:port'")
     for role in ("prefill", "decode"):
         v = kw.get(role, ())
         if isinstance(v, str) or not isinstance(v, Sequence):
