@@ -29,7 +29,7 @@ for arg in "$@"; do
     fi
 done
 rc=0
-KVB_E2E_VENV="$VENV" "$VENV/bin/python" -m pytest "${TARGET[@]}" -q -rs "$@" || rc=$?
+KVB_E2E_VENV="$VENV" "$VENV/bin/python" -m pytest "${TARGET[@]}" -q -rfEs "$@" || rc=$?
 if [[ $BENCH -eq 1 ]]; then
     KVB_E2E_VENV="$VENV" "$VENV/bin/python" bench/bench_vllm.py || rc=$?
 fi

@@ -61,8 +61,11 @@ def openai_client(url: str) -> Any:
     import httpx
     import openai
 
+    # idle connections expire after 1 s, well before a vLLM server (5 s) closes them: a
+    # request written into a connection the server is closing fails with a ReadError
+    limits = httpx.Limits(keepalive_expiry=1.0)
     return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=300,
-                         http_client=httpx.Client(trust_env=False, timeout=300))
+                         http_client=httpx.Client(trust_env=False, timeout=300, limits=limits))
 
 
 def completion(client: Any, prompt: str, *, stream: bool) -> tuple[str, float, float]:

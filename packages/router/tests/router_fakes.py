@@ -53,6 +53,7 @@ class Seen:
     path: str
     body: dict[str, Any]
     request_id: str | None
+    client_port: int | None = None  # the router's end of the connection
 
 
 @dataclass
@@ -98,7 +99,7 @@ class FakeInstance:
     async def _generate(self, request: Request) -> Response:
         body = await request.json()
         rid = request.headers.get("x-request-id")
-        self.seen.append(Seen(request.url.path, body, rid))
+        self.seen.append(Seen(request.url.path, body, rid, request.client.port if request.client else None))
         params = body.get("kv_transfer_params") or {}
         is_prefill = bool(params.get("do_remote_decode"))
         mode = self.mode

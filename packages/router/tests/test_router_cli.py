@@ -10,6 +10,8 @@ import time
 import httpx
 from router_fakes import FakeInstance, ServerThread, closed_port
 
+from kvbridge.router import RouterConfig
+
 
 def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "kvbridge.router", *args], capture_output=True,
@@ -65,3 +67,17 @@ def test_served_router_process_answers(tmp_path):
             proc.terminate()
             proc.wait(30)
             log.close()
+
+
+def test_served_router_keeps_idle_client_connections_longer_than_client_pools(monkeypatch):
+    """Client pools (httpx, the OpenAI SDK) drop idle connections after 5 s, uvicorn's own
+    default keep-alive: a client request could meet a connection the router is closing."""
+    import uvicorn
+
+    from kvbridge.router.app import serve
+
+    seen: dict[str, object] = {}
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.update(kw))
+    serve(RouterConfig(prefill=(), decode=("http://127.0.0.1:1",)))
+    client_expiry = httpx.Limits().keepalive_expiry
+    assert client_expiry is not None and seen["timeout_keep_alive"] > 10 * client_expiry

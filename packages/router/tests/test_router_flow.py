@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import json
+import time
 
+import pytest
 from router_fakes import wait_until
+
+from kvbridge.router import ConfigError, RouterConfig
 
 
 def sse_texts(raw: str) -> tuple[list[str], bool]:
@@ -143,3 +147,28 @@ def test_two_routers_side_by_side_share_instances(make_cluster):
     assert ra.json()["choices"][0]["text"] == "one|p0"
     assert rb.json()["choices"][0]["text"] == "two|p0"
     wait_until(lambda: second.decode.instances[0].in_flight == 0, "second router idle")
+
+
+def test_idle_upstream_connections_expire_before_the_instance_closes_them(make_cluster):
+    """An instance closes a connection idle for its keep-alive (vLLM: 5 s); a request the router
+    writes into it at that moment fails. The router drops idle connections after
+    ``upstream_keepalive_s`` instead: a request after a longer pause opens a new connection,
+    one sooner reuses the open one."""
+    # no health probes in between: they would keep the connections busy
+    c = make_cluster(1, 1, upstream_keepalive_s=0.5, health_interval_s=60.0)
+    body = {"model": "tiny", "prompt": "hello", "max_tokens": 2}
+    with c.client() as http:
+        for pause_s in (0.0, 0.0, 1.5):
+            time.sleep(pause_s)
+            assert http.post("/v1/completions", json=body).status_code == 200
+    for inst in (c.prefill[0], c.decode[0]):
+        ports = [s.client_port for s in inst.generation_requests()]
+        assert len(ports) == 3 and None not in ports
+        assert ports[1] == ports[0], f"{inst.name}: the router did not reuse an open connection"
+        assert ports[2] != ports[1], f"{inst.name}: the router reused a connection idle past its expiry"
+
+
+def test_default_upstream_keepalive_is_below_vllms():
+    assert RouterConfig(prefill=(), decode=("http://127.0.0.1:1",)).upstream_keepalive_s < 5.0
+    with pytest.raises(ConfigError, match="upstream_keepalive_s"):
+        RouterConfig(prefill=(), decode=("http://127.0.0.1:1",), upstream_keepalive_s=0)

@@ -42,6 +42,10 @@ Scope = MutableMapping[str, Any]
 
 #: Socket options for upstream connections (see Router._lifespan).
 NODELAY = [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]
+#: seconds the router keeps a client's idle connection open (uvicorn's default is 5 s, which
+#: equals the idle expiry of common HTTP client pools, httpx's and so the OpenAI SDK's among
+#: them: a client's request could go out on a connection the router is closing and fail)
+CLIENT_KEEPALIVE_S = 75
 
 
 def _request_id(scope: Scope) -> str:
@@ -176,8 +180,12 @@ class Router:
     @contextlib.asynccontextmanager
     async def _lifespan(self, _app: Starlette) -> AsyncIterator[None]:
         c = self.config
+        # idle connections expire before the instances close them (see upstream_keepalive_s):
+        # httpx's default (5 s) equals uvicorn's, and a request sent on a connection that the
+        # instance closes at that moment fails with a ReadError
         limits = httpx.Limits(max_connections=c.max_connections,
-                              max_keepalive_connections=c.max_connections)
+                              max_keepalive_connections=c.max_connections,
+                              keepalive_expiry=c.upstream_keepalive_s)
         self._client = httpx.AsyncClient(
             timeout=httpx.Timeout(None, connect=c.connect_timeout_s),
             # TCP_NODELAY: httpx writes headers and body separately; with Nagle's algorithm
@@ -259,4 +267,4 @@ def serve(config: RouterConfig, *, log_level: str = "info") -> None:
     """Run a router with uvicorn on ``config.host:config.port`` until interrupted."""
     router = Router(config)
     uvicorn.run(router.app, host=config.host, port=config.port, log_level=log_level,
-                access_log=False)
+                access_log=False, timeout_keep_alive=CLIENT_KEEPALIVE_S)

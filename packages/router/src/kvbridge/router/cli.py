@@ -34,6 +34,9 @@ def build_parser(prog: str = "kvbridge router") -> argparse.ArgumentParser:
                    "instance is tried (default 60)")
     p.add_argument("--decode-timeout", type=float, default=None, dest="decode_timeout_s",
                    metavar="S", help="seconds for a whole decode request, stream included (default 600)")
+    p.add_argument("--upstream-keepalive", type=float, default=None, dest="upstream_keepalive_s",
+                   metavar="S", help="seconds an idle connection to an instance is kept for reuse "
+                   "(default 2); keep it below the instances' keep-alive (vLLM: 5 s)")
     p.add_argument("--health-interval", type=float, default=None, dest="health_interval_s",
                    metavar="S", help="seconds between health-probe rounds (default 2)")
     p.add_argument("--health-timeout", type=float, default=None, dest="health_timeout_s",
@@ -73,7 +76,7 @@ def build_parser(prog: str = "kvbridge router") -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
     overrides = {k: getattr(args, k) for k in (
         "host", "port", "connect_timeout_s", "prefill_timeout_s", "decode_timeout_s",
-        "health_interval_s", "health_timeout_s", "unhealthy_after", "mode", "prefix_placement",
+        "upstream_keepalive_s", "health_interval_s", "health_timeout_s", "unhealthy_after", "mode", "prefix_placement",
         "prefix_block_tokens", "prefix_blocks", "prefix_load_margin")}
     if args.prefill_side_channels is not None:
         overrides["prefill_side_channels"] = side_channel_args(args.prefill_side_channels)

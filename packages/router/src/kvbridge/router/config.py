@@ -33,7 +33,12 @@ class RouterConfig:
     upstream call: ``prefill_timeout_s`` the whole prefill request,
     ``decode_timeout_s`` the whole decode request (streams included),
     ``connect_timeout_s`` opening a connection, ``health_timeout_s`` one health
-    probe. ``health_interval_s`` is the pause between probe rounds;
+    probe. ``upstream_keepalive_s`` is how long an idle connection to an instance
+    is kept for the next request: keep it below the instances' own keep-alive
+    (vLLM's OpenAI server closes idle connections after 5 s,
+    ``VLLM_HTTP_TIMEOUT_KEEP_ALIVE``), or a request may go out on a connection
+    the instance is closing at that moment and fail (a ``ReadError``).
+    ``health_interval_s`` is the pause between probe rounds;
     ``unhealthy_after`` failed probes in a row take an instance out of rotation
     (a request that cannot connect takes it out at once).
 
@@ -59,6 +64,7 @@ class RouterConfig:
     connect_timeout_s: float = 5.0
     prefill_timeout_s: float = 60.0
     decode_timeout_s: float = 600.0
+    upstream_keepalive_s: float = 2.0
     health_interval_s: float = 2.0
     health_timeout_s: float = 2.0
     unhealthy_after: int = 3
@@ -103,7 +109,7 @@ class RouterConfig:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"port {self.port} is out of range: use 0..65535")
         for f in ("connect_timeout_s", "prefill_timeout_s", "decode_timeout_s",
-                  "health_interval_s", "health_timeout_s"):
+                  "upstream_keepalive_s", "health_interval_s", "health_timeout_s"):
             v = getattr(self, f)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
                 raise ConfigError(f"{f} must be a positive number of seconds, got {v!r}")
