@@ -6,6 +6,8 @@ repository's top-level tests/.
 
 from __future__ import annotations
 
+import logging
+import re
 import threading
 import time
 from dataclasses import replace
@@ -99,6 +101,23 @@ def test_pull_verifies_and_releases(pair):
     assert done == ["a"] and not failed
     assert {(r.request_id, r.reason) for r in released} == {("a", "notified")}
     assert pair.dc.verify(logical_kv(P, 1, 48), [9, 10, 2], 0, 48) == 0
+
+
+def test_handshake_log_says_where_the_worker_threads_time_went(pair, caplog):
+    """The handshake's log line splits the agents phase into load and connect and gives the
+    worker thread's CPU time, preemptions and waits per phase (to tell a busy core from a wait)."""
+    caplog.set_level(logging.INFO, logger="kvbridge.nixl")
+    pair.dec.load("a", pair.hold("a", [3, 1]), ([9, 10],))
+    done, failed, _ = pair.run(lambda d, f, r: d == ["a"] and len(r) == 2)
+    assert done == ["a"] and not failed
+    (line,) = [r.getMessage() for r in caplog.records if "handshake with engine" in r.getMessage()]
+    m = re.search(r"agents ([0-9.]+) ms, .*agents: load ([0-9.]+) ms, connect ([0-9.]+) ms; worker "
+                  r"thread per phase \(metadata/agents/lists\): CPU ([0-9.]+)/([0-9.]+)/([0-9.]+) ms, "
+                  r"preempted \d+/\d+/\d+, blocked \d+/\d+/\d+ times", line)
+    assert m, line
+    agents, load, connect = (float(m.group(i)) for i in (1, 2, 3))
+    assert load + connect == pytest.approx(agents, abs=0.2)
+    assert sum(float(m.group(i)) for i in (4, 5, 6)) > 0  # the thread did run
 
 
 def test_reads_posted_on_the_callers_thread():

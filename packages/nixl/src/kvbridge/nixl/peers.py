@@ -17,6 +17,7 @@ peer that is gone.
 from __future__ import annotations
 
 import logging
+import resource
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -29,6 +30,45 @@ from .agent import NixlAgent, PreparedList
 from .stats import Stats
 
 log = logging.getLogger("kvbridge.nixl")
+
+
+@dataclass(frozen=True)
+class ThreadUsage:
+    """The calling thread's CPU seconds and context switches so far (see :func:`thread_usage`)."""
+
+    cpu_s: float
+    preempted: int  # involuntary switches: the scheduler gave the core to another thread
+    waited: int  # voluntary switches: the thread blocked (a lock, I/O, a peer)
+
+
+def thread_usage() -> ThreadUsage:
+    """This thread's usage (``getrusage(RUSAGE_THREAD)`` on Linux; CPU time alone elsewhere)."""
+    try:
+        ru = resource.getrusage(resource.RUSAGE_THREAD)
+    except (AttributeError, OSError):
+        return ThreadUsage(time.thread_time(), 0, 0)
+    return ThreadUsage(ru.ru_utime + ru.ru_stime, ru.ru_nivcsw, ru.ru_nvcsw)
+
+
+@dataclass(frozen=True)
+class PhaseDetail:
+    """Where a handshake's time went on the worker thread, per phase (metadata, agents, lists):
+    the agents phase split into loading the metadata and connecting, and per phase the thread's
+    CPU time and how often it was preempted or blocked. Wall time far above CPU time with many
+    preemptions means the core was busy elsewhere; with many waits, the thread was blocked."""
+
+    load_ms: float = 0.0
+    connect_ms: float = 0.0
+    cpu_ms: tuple[float, ...] = (0.0, 0.0, 0.0)
+    preempted: tuple[int, ...] = (0, 0, 0)
+    waited: tuple[int, ...] = (0, 0, 0)
+
+    def __str__(self) -> str:
+        cpu = "/".join(f"{x:.1f}" for x in self.cpu_ms)
+        pre = "/".join(str(x) for x in self.preempted)
+        wait = "/".join(str(x) for x in self.waited)
+        return (f"agents: load {self.load_ms:.1f} ms, connect {self.connect_ms:.1f} ms; worker thread "
+                f"per phase (metadata/agents/lists): CPU {cpu} ms, preempted {pre}, blocked {wait} times")
 
 
 @dataclass(eq=False)
@@ -54,6 +94,7 @@ class Peer:
     handshake_ms: float = 0.0
     #: handshake phases (ms): side-channel metadata, loading + connecting agents, list preparation
     phases_ms: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    phase_detail: PhaseDetail = field(default_factory=PhaseDetail)
     #: ``time.perf_counter()`` marks of this peer's first request, for the log line of its first
     #: completed transfer: created (a request named it), handshake began on the worker, handshake
     #: ended, first transfer posted, first completion seen (0.0: not yet)

@@ -51,7 +51,7 @@ from .config import (
 )
 from .groups import engine_groups
 from .messages import notification_key
-from .peers import Peer, PeerTable, first_done
+from .peers import Peer, PeerTable, PhaseDetail, first_done, thread_usage
 from .stats import Stats
 from .warmup import scratch_buffer, warm_up
 from .worker import EventQueue, Job, Worker
@@ -287,7 +287,7 @@ class RankEngine:
 
     def _handshake(self, peer: Peer) -> None:
         timeout = self.config.handshake_timeout_s
-        t0 = time.perf_counter()
+        t0, u0 = time.perf_counter(), thread_usage()
         guess = self.plan_for(provisional_spec(self.spec, peer.engine_id, peer.tp_size))
         ranks, _ = self._peer_ranks(guess)
         infos = fetch_metadata(peer.host, peer.port, ranks, engine_id=peer.engine_id,
@@ -324,11 +324,13 @@ class RankEngine:
                     )
         peer.incarnation = first.incarnation
         peer.plan, peer.infos, peer.spec = plan, infos, first.spec()
-        t1 = time.perf_counter()
+        t1, u1 = time.perf_counter(), thread_usage()
         for q in ranks:
             peer.agents[q] = self.agent.add_remote(infos[q].agent_metadata)
+        t_loaded = time.perf_counter()
+        for q in ranks:
             self.agent.connect(peer.agents[q])
-        t2 = time.perf_counter()
+        t2, u2 = time.perf_counter(), thread_usage()
         for q in listed:
             rd, local_side = self._descriptors(peer, q, plan)
             mine = rd.local_descs(strided=True) if local_side else rd.remote_descs(strided=True)
@@ -338,7 +340,13 @@ class RankEngine:
             peer.remote_lists[q] = self.agent.prepare(peer.agents[q], theirs, self.config.mem_type,
                                                       self.config.allow_strided)
             peer.descs[q] = rd
-        peer.phases_ms = ((t1 - t0) * 1e3, (t2 - t1) * 1e3, (time.perf_counter() - t2) * 1e3)
+        t3, u3 = time.perf_counter(), thread_usage()
+        peer.phases_ms = ((t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3)
+        peer.phase_detail = PhaseDetail(
+            load_ms=(t_loaded - t1) * 1e3, connect_ms=(t2 - t_loaded) * 1e3,
+            cpu_ms=tuple((b.cpu_s - a.cpu_s) * 1e3 for a, b in ((u0, u1), (u1, u2), (u2, u3))),
+            preempted=tuple(b.preempted - a.preempted for a, b in ((u0, u1), (u1, u2), (u2, u3))),
+            waited=tuple(b.waited - a.waited for a, b in ((u0, u1), (u1, u2), (u2, u3))))
 
     def _remote_geometry(self, peer: Peer, q: int) -> RegionGeometry:
         """Peer rank ``q``'s regions from its handshake numbers (checked against its description)."""
@@ -386,9 +394,9 @@ class RankEngine:
             peer.state = "ready"
             meta_ms, agents_ms, lists_ms = peer.phases_ms
             log.info("handshake with engine %s (TP %d) took %.1f ms: metadata %.1f ms, agents "
-                     "%.1f ms, lists %.1f ms; queued %.1f ms before it began",
+                     "%.1f ms, lists %.1f ms; queued %.1f ms before it began; %s",
                      peer.engine_id, peer.tp_size, peer.handshake_ms, meta_ms, agents_ms, lists_ms,
-                     (peer.marks["handshake"] - peer.marks["created"]) * 1e3)
+                     (peer.marks["handshake"] - peer.marks["created"]) * 1e3, peer.phase_detail)
         else:
             log.warning("handshake with engine %s failed: %s", peer.engine_id, err)
             self.peers.drop(peer, stale=False)
