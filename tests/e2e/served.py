@@ -237,7 +237,7 @@ def router(prefill: Sequence[Served], decode: Sequence[Served], workdir: Path, *
     argv = cmd + ["--prefill", *[p.url for p in prefill], "--decode", *[d.url for d in decode],
                   "--host", HOST, "--port", str(port), "--prefill-timeout", "180",
                   "--decode-timeout", "300", "--health-interval", "1", "--health-timeout", "30",
-                  "--log-level", "info", *extra_args]
+                  "--log-level", "debug", *extra_args]
     workdir.mkdir(parents=True, exist_ok=True)
     return Served(name, port, argv, {"PYTHONUNBUFFERED": "1"}, workdir / f"{name}.log")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import time
 
 import pytest
@@ -172,3 +173,19 @@ def test_default_upstream_keepalive_is_below_vllms():
     assert RouterConfig(prefill=(), decode=("http://127.0.0.1:1",)).upstream_keepalive_s < 5.0
     with pytest.raises(ConfigError, match="upstream_keepalive_s"):
         RouterConfig(prefill=(), decode=("http://127.0.0.1:1",), upstream_keepalive_s=0)
+
+
+def test_debug_log_follows_each_request_through_both_instances(make_cluster, caplog):
+    """At debug level the router logs, per request id, when the prefill answered and when the
+    decode was sent and answered: what an operator needs to find where a request waits."""
+    caplog.set_level(logging.DEBUG, logger="kvbridge.router")
+    c = make_cluster(1, 1)
+    with c.client() as http:
+        r = http.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2},
+                      headers={"X-Request-Id": "req-dbg"})
+    assert r.status_code == 200
+    wait_until(lambda: any("decode on" in m.getMessage() for m in caplog.records), "decode answered")
+    lines = [m.getMessage() for m in caplog.records if "req-dbg" in m.getMessage()]
+    assert [ln.split(": ", 1)[1].split(" ")[:2] for ln in lines] == [
+        ["prefill", "on"], ["decode", "sent"], ["decode", "on"]], lines
+    assert c.upstream_urls["p0"] in lines[0] and c.upstream_urls["d0"] in lines[2]

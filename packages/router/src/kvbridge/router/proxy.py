@@ -196,6 +196,8 @@ class Proxy:
                         inst.url, why)
             return None
         self.metrics.prefill_seconds.labels(instance=inst.url).observe(time.monotonic() - t0)
+        log.debug("request %s: prefill on %s answered in %.1f ms", request_id, inst.url,
+                  (time.monotonic() - t0) * 1e3)
         if self.prefill.mark_ok(inst):
             log.info("prefill instance %s answered a request: back in rotation", inst.url)
         return params
@@ -293,6 +295,7 @@ class Proxy:
                 with anyio.fail_after(self.config.decode_timeout_s):
                     request = self.client.build_request("POST", inst.url + req.endpoint, json=body,
                                                         headers=_headers(request_id, auth))
+                    log.debug("request %s: decode sent to %s", request_id, inst.url)
                     try:
                         resp = await self.client.send(request, stream=True)
                     except (httpx.ConnectError, httpx.ConnectTimeout) as e:
@@ -350,6 +353,8 @@ class Proxy:
                     "upstream_error"))
                 return True
         metrics.decode_seconds.labels(instance=inst.url).observe(time.monotonic() - t0)
+        log.debug("request %s: decode on %s answered in %.1f ms", request_id, inst.url,
+                  (time.monotonic() - t0) * 1e3)
         if self.decode.mark_ok(inst):
             log.info("decode instance %s answered a request: back in rotation", inst.url)
         return True
