@@ -36,9 +36,14 @@ log = logging.getLogger("kvbridge.nixl")
 class ThreadUsage:
     """The calling thread's CPU seconds and context switches so far (see :func:`thread_usage`)."""
 
-    cpu_s: float
-    preempted: int  # involuntary switches: the scheduler gave the core to another thread
-    waited: int  # voluntary switches: the thread blocked (a lock, I/O, a peer)
+    cpu_s: float = 0.0
+    preempted: int = 0  # involuntary switches: the scheduler gave the core to another thread
+    waited: int = 0  # voluntary switches: the thread blocked (a lock, I/O, a peer)
+
+    def __sub__(self, earlier: ThreadUsage) -> ThreadUsage:
+        """The usage between ``earlier`` and this reading."""
+        return ThreadUsage(self.cpu_s - earlier.cpu_s, self.preempted - earlier.preempted,
+                           self.waited - earlier.waited)
 
 
 def thread_usage() -> ThreadUsage:
@@ -59,14 +64,13 @@ class PhaseDetail:
 
     load_ms: float = 0.0
     connect_ms: float = 0.0
-    cpu_ms: tuple[float, ...] = (0.0, 0.0, 0.0)
-    preempted: tuple[int, ...] = (0, 0, 0)
-    waited: tuple[int, ...] = (0, 0, 0)
+    #: the worker thread's usage during each phase (metadata, agents, lists)
+    usage: tuple[ThreadUsage, ...] = (ThreadUsage(), ThreadUsage(), ThreadUsage())
 
     def __str__(self) -> str:
-        cpu = "/".join(f"{x:.1f}" for x in self.cpu_ms)
-        pre = "/".join(str(x) for x in self.preempted)
-        wait = "/".join(str(x) for x in self.waited)
+        cpu = "/".join(f"{u.cpu_s * 1e3:.1f}" for u in self.usage)
+        pre = "/".join(str(u.preempted) for u in self.usage)
+        wait = "/".join(str(u.waited) for u in self.usage)
         return (f"agents: load {self.load_ms:.1f} ms, connect {self.connect_ms:.1f} ms; worker thread "
                 f"per phase (metadata/agents/lists): CPU {cpu} ms, preempted {pre}, blocked {wait} times")
 

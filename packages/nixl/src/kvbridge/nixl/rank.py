@@ -342,11 +342,8 @@ class RankEngine:
             peer.descs[q] = rd
         t3, u3 = time.perf_counter(), thread_usage()
         peer.phases_ms = ((t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3)
-        peer.phase_detail = PhaseDetail(
-            load_ms=(t_loaded - t1) * 1e3, connect_ms=(t2 - t_loaded) * 1e3,
-            cpu_ms=tuple((b.cpu_s - a.cpu_s) * 1e3 for a, b in ((u0, u1), (u1, u2), (u2, u3))),
-            preempted=tuple(b.preempted - a.preempted for a, b in ((u0, u1), (u1, u2), (u2, u3))),
-            waited=tuple(b.waited - a.waited for a, b in ((u0, u1), (u1, u2), (u2, u3))))
+        peer.phase_detail = PhaseDetail(load_ms=(t_loaded - t1) * 1e3, connect_ms=(t2 - t_loaded) * 1e3,
+                                        usage=(u1 - u0, u2 - u1, u3 - u2))
 
     def _remote_geometry(self, peer: Peer, q: int) -> RegionGeometry:
         """Peer rank ``q``'s regions from its handshake numbers (checked against its description)."""

@@ -76,8 +76,8 @@ def build_parser(prog: str = "kvbridge router") -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
     overrides = {k: getattr(args, k) for k in (
         "host", "port", "connect_timeout_s", "prefill_timeout_s", "decode_timeout_s",
-        "upstream_keepalive_s", "health_interval_s", "health_timeout_s", "unhealthy_after", "mode", "prefix_placement",
-        "prefix_block_tokens", "prefix_blocks", "prefix_load_margin")}
+        "upstream_keepalive_s", "health_interval_s", "health_timeout_s", "unhealthy_after", "mode",
+        "prefix_placement", "prefix_block_tokens", "prefix_blocks", "prefix_load_margin")}
     if args.prefill_side_channels is not None:
         overrides["prefill_side_channels"] = side_channel_args(args.prefill_side_channels)
     if args.prefill is not None:

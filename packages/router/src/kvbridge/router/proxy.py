@@ -195,9 +195,9 @@ class Proxy:
             log.warning("request %s: prefill on %s failed (%s); trying another", request_id,
                         inst.url, why)
             return None
-        self.metrics.prefill_seconds.labels(instance=inst.url).observe(time.monotonic() - t0)
-        log.debug("request %s: prefill on %s answered in %.1f ms", request_id, inst.url,
-                  (time.monotonic() - t0) * 1e3)
+        took = time.monotonic() - t0
+        self.metrics.prefill_seconds.labels(instance=inst.url).observe(took)
+        log.debug("request %s: prefill on %s answered in %.1f ms", request_id, inst.url, took * 1e3)
         if self.prefill.mark_ok(inst):
             log.info("prefill instance %s answered a request: back in rotation", inst.url)
         return params
@@ -352,9 +352,9 @@ class Proxy:
                     502, f"decode instance {inst.url} failed mid-request ({describe(e)})",
                     "upstream_error"))
                 return True
-        metrics.decode_seconds.labels(instance=inst.url).observe(time.monotonic() - t0)
-        log.debug("request %s: decode on %s answered in %.1f ms", request_id, inst.url,
-                  (time.monotonic() - t0) * 1e3)
+        took = time.monotonic() - t0
+        metrics.decode_seconds.labels(instance=inst.url).observe(took)
+        log.debug("request %s: decode on %s answered in %.1f ms", request_id, inst.url, took * 1e3)
         if self.decode.mark_ok(inst):
             log.info("decode instance %s answered a request: back in rotation", inst.url)
         return True
