@@ -38,6 +38,22 @@ def test_kv_first_gives_separate_k_and_v_regions():
     assert regs.registration_descs(merge_adjacent=False).shape == (4, 3)
 
 
+def test_gpu_regions_register_adjacent_ranges_apart_and_overlapping_ones_together():
+    s = spec()
+    caches = [torch.zeros(2, 10, 4, 2, 4, dtype=torch.bfloat16) for _ in range(2)]
+    host = regions_from_kv_caches(caches, s)
+    # as if these adjacent ranges were CUDA memory: they may be two allocations
+    gpu = dataclasses.replace(host, mem_type="VRAM")
+    rows = gpu.registration_descs()
+    assert rows.shape == (4, 3)
+    assert [int(a) for a in rows[:, 0]] == sorted(r.base_addr for r in host.regions)
+    assert gpu.registration_descs(merge_adjacent=True).shape == (2, 3)
+    k = host.regions[0]
+    shared = dataclasses.replace(gpu, regions=(k, dataclasses.replace(k, base_addr=k.base_addr + 64)))  # overlapping
+    merged = shared.registration_descs()
+    assert merged.shape == (1, 3) and int(merged[0, 1]) == k.size + 64
+
+
 def test_blocks_first_one_region_with_k_then_v():
     s = spec(layout=Layout.BLOCKS_FIRST)
     caches = [torch.zeros(6, 2, 4, 2, 4, dtype=torch.bfloat16) for _ in range(2)]

@@ -39,3 +39,16 @@ def test_demo_mamba_hybrid_on_gpu_memory(capsys):
     print(out)
     assert rc == 0, out
     assert "demo: OK, every byte verified" in out
+
+
+@pytest.mark.parametrize("mode", ["push", "pull"])
+def test_demo_across_several_gpu_allocations(capsys, mode):
+    """Layer tensors over 10 MiB each get their own cudaMalloc, often back to back in the
+    address space: every WRITE or READ must still land (a registration row spanning two
+    allocations made every push WRITE fail on an H100)."""
+    rc = demo_command(["--blocks", "64", "--requests", "3", "--layers", "2", "--rounds", "1",
+                       "--device", "cuda", "--prefill-tp", "2", "--decode-tp", "1", "--mode", mode])
+    out = capsys.readouterr().out
+    print(out)
+    assert rc == 0, out
+    assert "demo: OK, every byte verified" in out

@@ -76,15 +76,21 @@ class CacheRegions:
         want = {int(x) for x in layers}
         return tuple(i for i, r in enumerate(self.regions) if want.intersection(r.positions))
 
-    def registration_descs(self, merge_adjacent: bool = True) -> np.ndarray:
+    def registration_descs(self, merge_adjacent: bool | None = None) -> np.ndarray:
         """``N x 3`` uint64 ``(address, length, device)`` rows to register with NIXL.
 
-        Adjacent or overlapping ranges merge into one row when ``merge_adjacent``.
+        Overlapping ranges always merge into one row; adjacent ones too when
+        ``merge_adjacent``. By default (None) they do in host memory and not in GPU
+        memory: two CUDA allocations can lie back to back, and UCX's CUDA IPC maps
+        only the allocation a registered row starts in, so a row spanning two
+        allocations fails every WRITE into its second one (seen on an H100).
         """
+        if merge_adjacent is None:
+            merge_adjacent = self.mem_type != "VRAM"
         spans = sorted((r.base_addr, r.end_addr) for r in self.regions)
         rows: list[list[int]] = []
         for start, end in spans:
-            if merge_adjacent and rows and start <= rows[-1][1]:
+            if rows and (start < rows[-1][1] or (merge_adjacent and start == rows[-1][1])):
                 rows[-1][1] = max(rows[-1][1], end)
             else:
                 rows.append([start, end])
