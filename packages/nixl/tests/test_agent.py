@@ -175,3 +175,20 @@ def test_agent_config_split_batch_size_reaches_ucx_only_with_two_threads_or_more
     for bad in (0, -1, True, "16"):
         with pytest.raises(ValueError, match="split_batch_size"):
             AgentConfig(split_batch_size=bad)
+
+
+def test_gpu_agents_get_cuda_ipc_reads_and_user_ucx_settings_come_after():
+    assert "engine_config" not in AgentConfig().init_params("UCX")
+    assert AgentConfig().init_params("UCX", "VRAM")["engine_config"] == "CUDA_IPC_ENABLE_GET_ZCOPY=y"
+    mine = AgentConfig(backend_params=(("UCX", "engine_config", "CUDA_IPC_ENABLE_GET_ZCOPY=n,MAX_RMA_RAILS=1"),))
+    assert mine.init_params("UCX", "VRAM")["engine_config"] == (
+        "CUDA_IPC_ENABLE_GET_ZCOPY=y,CUDA_IPC_ENABLE_GET_ZCOPY=n,MAX_RMA_RAILS=1")  # NIXL applies in order
+    assert mine.init_params("UCX")["engine_config"] == "CUDA_IPC_ENABLE_GET_ZCOPY=n,MAX_RMA_RAILS=1"
+
+
+def test_an_agent_for_gpu_memory_builds_with_its_ucx_settings():
+    agent = NixlAgent("gpu-settings", AgentConfig(), mem_type="VRAM")
+    try:
+        assert "UCX" in agent._agent.backends
+    finally:
+        agent.close()

@@ -111,12 +111,14 @@ class NixlAgent:
 
     LOCAL = "NIXL_INIT_AGENT"
 
-    def __init__(self, name: str, config: AgentConfig | None = None) -> None:
+    def __init__(self, name: str, config: AgentConfig | None = None, mem_type: MemType = "DRAM") -> None:
+        """``mem_type``: the memory the agent will register (GPU memory gets UCX settings of
+        its own, :data:`~kvbridge.nixl.agent_config.GPU_UCX_SETTINGS`)."""
         self.config = config or AgentConfig()
         self.name = name
         self._lock = threading.RLock()
         try:
-            self._agent = build_agent(name, self.config)
+            self._agent = build_agent(name, self.config, mem_type)
         except Exception as exc:
             raise NixlError(f"creating NIXL agent {name!r} failed: {exc}") from exc
         missing = [b for b in self.config.backends if b not in self._agent.backends]

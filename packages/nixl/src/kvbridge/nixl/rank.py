@@ -142,7 +142,8 @@ class RankEngine:
             log.debug("rank %d: %d MiB advised, %d MiB collapsed to huge pages%s", rank,
                       self.huge_pages.advised_bytes >> 20, self.huge_pages.collapsed_bytes >> 20,
                       f" ({'; '.join(self.huge_pages.errors)})" if self.huge_pages.errors else "")
-        self.agent = NixlAgent(f"{spec.engine_id}/{self.role}{rank}/{self.incarnation}", self.config.agent)
+        self.agent = NixlAgent(f"{spec.engine_id}/{self.role}{rank}/{self.incarnation}", self.config.agent,
+                               self.config.mem_type)
         #: the warm-up's scratch memory (registered while the agent lives), None without one
         self._scratch = (scratch_buffer() if self.config.warm_up and self.config.mem_type == "DRAM"
                          and self.config.agent.progress_thread else None)
