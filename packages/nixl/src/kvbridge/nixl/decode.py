@@ -3,7 +3,7 @@
 What both modes share lives here: the request tracker, failing and finishing
 requests, post-processing received blocks, and the ``poll()`` round. The
 mode-specific steps are the engine's ``mode`` object:
-:class:`~kvbridge.nixl.pull.PullReads` or :class:`~kvbridge.nixl.push.PushReceiver`.
+:class:`~kvbridge.nixl.pull.PullReads` or :class:`~kvbridge.nixl.push_receive.PushReceiver`.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from .ledger import DecodeTracker, State
 from .modes import DecodeMode, Load
 from .peers import Peer
 from .pull import PullReads
-from .push import PushReceiver
+from .push_receive import PushReceiver
 from .rank import RankEngine
 
 log = logging.getLogger("kvbridge.nixl")
