@@ -8,10 +8,12 @@ import time
 from dataclasses import replace
 
 import pytest
-from test_engine import CFG, D, P, Pair
+from test_engine import CFG, NB, D, P, Pair
 
 from kvbridge.nixl import TransferParams
+from kvbridge.nixl.messages import Kind, Notification, encode_notification
 from kvbridge.tools.synthetic_cache import logical_kv
+from kvbridge.topology import FailureKind
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -310,3 +312,58 @@ def test_naming_every_layer_closes_the_push_without_waiting_for_finish(pair):
         released += more
     assert not failed and len(released) == 2 and {r.reason for r in released} == {"written"}
     assert [e.stats.notifications_sent for e in pair.pre] == [1, 1]
+
+
+def test_a_push_the_prefill_gives_up_fails_on_the_decode_side_at_once():
+    """A prefill rank that cannot write (here: the target names a block the decode engine does
+    not have) tells the decode ranks it feeds; they fail the request long before their
+    transfer timeout, and a FAILED notification that comes before ``expect`` counts too."""
+    pair = Pair(replace(PUSH, transfer_timeout_s=120.0))
+    pair.dec.serve()
+    try:
+        _fill(pair, [2], seed=4)
+        pair.dec.expect("bad", "prefill", pair.p_spec.tp_size, "tok-bad", ([1],))
+        for e in pair.pre:
+            e.push("bad", ([2],), _target(pair, "bad", [NB + 5]))
+            e.push("early", ([2],), _target(pair, "early", [NB + 5]))
+        _, failed, released = pair.run(lambda d, f, r: f and len(r) == 2 * len(pair.pre), timeout=30)
+        assert [(f.request_id, f.kind) for f in failed] == [("bad", FailureKind.TRANSFER)]
+        assert "gave the push up" in failed[0].message and failed[0].invalid_block_ids == (1,)
+        assert {(r.request_id, r.reason) for r in released} == {("bad", "push-failed"), ("early", "push-failed")}
+        pair.dec.expect("early", "prefill", pair.p_spec.tp_size, "tok-early", ([3],))
+        _, failed, _ = pair.run(lambda d, f, r: f, timeout=5)
+        assert [f.request_id for f in failed] == ["early"]
+    finally:
+        pair.close()
+
+
+def test_a_failed_notice_for_a_written_part_or_with_a_wrong_token_changes_nothing():
+    """FAILED from a rank whose part already arrived never retracts it, and one without the
+    request's token is ignored (counted): the request completes with every byte."""
+    pair = Pair(PUSH)
+    pair.dec.serve()
+    try:
+        kv = _fill(pair, [2], seed=5)
+        pair.dec.expect("a", "prefill", pair.p_spec.tp_size, "tok-a", ([1],))
+        first, second = pair.pre
+        first.push("a", ([2],), _target(pair, "a", [1]))
+        end = time.monotonic() + 10
+        while pair.dec.tracker.get("a").outstanding != {1} and time.monotonic() < end:
+            assert not pair.dec.poll().failed
+            first.poll()
+            time.sleep(0.002)
+        assert pair.dec.tracker.get("a").outstanding == {1}  # rank 0 wrote, rank 1 not yet
+        decode_agent = first.peers.get("decode").agents[0]
+        for rank, token in ((0, "tok-a"), (1, "forged")):
+            first.agent.notify(decode_agent, encode_notification(Notification(Kind.FAILED, "a", 2, rank, token)))
+        end = time.monotonic() + 10
+        while pair.dec.stats.notifications_bad_token == 0 and time.monotonic() < end:
+            assert not pair.dec.poll().failed
+            time.sleep(0.002)
+        assert pair.dec.stats.notifications_bad_token == 1
+        second.push("a", ([2],), _target(pair, "a", [1]))
+        done, failed, _ = pair.run(lambda d, f, r: d or f)
+        assert done == ["a"] and failed == []
+        assert pair.dc.verify(kv, [1], 0, 16) == 0
+    finally:
+        pair.close()

@@ -47,6 +47,8 @@ class Kind(str, enum.Enum):
     DONE = "D"
     RENEW = "R"
     WRITTEN = "W"
+    #: push: the sending prefill rank gave the request up, so its part will never be written
+    FAILED = "F"
 
 
 @dataclass(frozen=True)

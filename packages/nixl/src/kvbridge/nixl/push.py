@@ -5,7 +5,8 @@ Decode side: :class:`~kvbridge.nixl.push_receive.PushReceiver`.
 Prefill side (:class:`PushWrites`): :meth:`~kvbridge.nixl.PrefillEngine.push`
 finds or starts the handshake with the decode engine, then writes one WRITE per
 decode rank it feeds, each carrying a WRITTEN notification, and releases the
-request's blocks when the WRITEs completed (or failed, or timed out).
+request's blocks when the WRITEs completed (or failed, or timed out: then it
+tells the decode ranks with a FAILED notification).
 """
 
 from __future__ import annotations
@@ -280,11 +281,26 @@ class PushWrites(PrefillMode):
             p.post_failed = True  # never notify early: a layer may be missing
         return WritesPosted(p, parts, err)
 
-    def _written(self, p: Push) -> bytes:
+    def _written(self, p: Push, kind: Kind = Kind.WRITTEN) -> bytes:
         e = self.engine
         # named by the decode engine's id of the request when the target gives one
-        return encode_notification(Notification(Kind.WRITTEN, p.target.request_id or p.request_id,
+        return encode_notification(Notification(kind, p.target.request_id or p.request_id,
                                                 e.spec.tp_size, e.rank, p.target.token), e.notif_key)
+
+    def _tell_failed(self, p: Push) -> None:
+        """A push given up: tell the decode ranks it feeds at once, so that they recompute
+        instead of waiting for their transfer timeout (best effort: without a handshake, or
+        with the decode engine gone, they time out as before)."""
+        e = self.engine
+        if p.waiting or not e.peers.is_current(p.peer):
+            return
+        try:
+            msg = self._written(p, Kind.FAILED)
+            for r in p.peer.plan.prefill_ranks[e.rank].read_by:
+                e.agent.notify(p.peer.agents[r], msg)
+                e.stats.notifications_sent += 1
+        except (NixlError, ValueError, KeyError) as exc:
+            log.debug("push of %s: telling the decode engine it failed did not work: %s", p.request_id, exc)
 
     def on_event(self, event: object) -> None:
         if not isinstance(event, WritesPosted):
@@ -331,6 +347,7 @@ class PushWrites(PrefillMode):
             log.warning("push of %s failed: %s", p.request_id, error)
             e.stats.fail((kind or FailureKind.TRANSFER).value)
             reason = "push-failed"
+            self._tell_failed(p)
         released = Released(p.request_id, tuple(flat_ids(p.groups, None).tolist()), reason)
         if p.in_flight:
             p.pending_release = released

@@ -2,7 +2,8 @@
 
 :meth:`~kvbridge.nixl.DecodeEngine.expect` plans the request from the prefill
 facts the caller names and waits for a WRITTEN notification from every source
-rank; the decode rank never handshakes. The prefill side is
+rank (or a FAILED one: that rank gave the request up, so it fails at once); the
+decode rank never handshakes. The prefill side is
 :class:`~kvbridge.nixl.push.PushWrites`.
 """
 
@@ -13,7 +14,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from kvbridge.topology import HeadOrder
+from kvbridge.topology import FailureKind, HeadOrder
 
 from .config import provisional_spec
 from .messages import Kind, Notification, parse_notification
@@ -94,7 +95,7 @@ class PushReceiver(DecodeMode):
             for raw in msgs:
                 n = parse_notification(raw, e.notif_key)
                 e.stats.notifications_received += 1
-                if n is None or n.kind is not Kind.WRITTEN:
+                if n is None or n.kind not in (Kind.WRITTEN, Kind.FAILED):
                     e.stats.notifications_malformed += 1
                     continue
                 if not n.authentic:
@@ -117,6 +118,12 @@ class PushReceiver(DecodeMode):
         # in WRITTEN messages the rank/TP fields name the prefill rank and TP
         if n.decode_tp != ld.peer.tp_size or n.decode_rank not in ld.expect_from:
             e.stats.notifications_malformed += 1
+            return
+        if n.kind is Kind.FAILED:
+            t = e.tracker.get(n.request_id)
+            if t is not None and n.decode_rank in t.outstanding:  # never retract a part written
+                e.fail(n.request_id, FailureKind.TRANSFER,
+                       f"prefill rank {n.decode_rank} of {ld.peer.engine_id!r} gave the push up")
             return
         mark("arrived", n.request_id, rank=n.decode_rank)
         e.part_done(ld, n.decode_rank)
