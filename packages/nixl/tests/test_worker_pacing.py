@@ -123,3 +123,55 @@ def test_engine_config_refuses_a_bad_idle_progress_interval():
         EngineConfig(idle_progress_interval_s=2)
     with pytest.raises(ValueError, match="busy_after_poll_s"):
         EngineConfig(busy_after_poll_s=-1)
+    with pytest.raises(ValueError, match="gil_handoff_s"):
+        EngineConfig(gil_handoff_s=-0.001)
+    with pytest.raises(ValueError, match="gil_handoff_s"):
+        EngineConfig(gil_handoff_s=0.5)
+
+
+@pytest.mark.parametrize("handoff", [0.0002, 0.0])
+def test_poll_pauses_for_the_worker_only_while_it_has_a_job(monkeypatch, handoff):
+    """CPython hands the GIL to a waiting thread only when its holder blocks: ``poll()``
+    sleeps ``gil_handoff_s`` while the worker runs a job (a handshake, posting), and never
+    otherwise, so that an engine loop that never blocks cannot starve the worker."""
+    import kvbridge.nixl.rank as rank_module
+
+    decode = LocalRanks.start("d", D, [0], 8, replace(CFG, gil_handoff_s=handoff), serve=False)
+    dec = decode.engines[0]
+    slept: list[float] = []
+    real_sleep = time.sleep
+
+    class Clock:  # rank.py's view of the time module: records the engine's own sleeps
+        def __getattr__(self, name):
+            return getattr(time, name)
+
+        @staticmethod
+        def sleep(s):
+            slept.append(s)
+            real_sleep(s)
+
+    def idle_worker():
+        deadline = time.monotonic() + 10
+        while dec._worker.in_job and time.monotonic() < deadline:
+            real_sleep(0.001)
+        assert not dec._worker.in_job
+
+    try:
+        idle_worker()  # past the engine's start-up jobs
+        monkeypatch.setattr(rank_module, "time", Clock())
+        dec.poll()
+        assert slept == []  # nothing running on the worker
+        gate, started = threading.Event(), threading.Event()
+        dec._worker.submit(lambda: (started.set(), gate.wait(10)))
+        assert started.wait(10)
+        dec.poll()
+        dec.poll()
+        assert slept == ([handoff, handoff] if handoff else [])
+        gate.set()
+        idle_worker()
+        slept.clear()
+        dec.poll()
+        assert slept == []
+    finally:
+        gate.set()
+        decode.close()

@@ -234,3 +234,18 @@ def test_warm_up_reaches_the_engine_config() -> None:
     assert off.warm_up is False
     with pytest.raises(ConfigError, match="warm_up"):
         parse_connector_config({"warm_up": "maybe"}, env={})
+
+
+def test_gil_handoff_reaches_the_engine_config_in_seconds() -> None:
+    from kvbridge.vllm.registration import engine_config
+
+    def built(extra, env=None):
+        return engine_config(parse_connector_config(extra, env=env or {}), mem_type="DRAM", model="m",
+                             attention_backend="b")
+
+    assert built({}).gil_handoff_s == pytest.approx(200e-6)
+    assert built({"gil_handoff_us": 0}).gil_handoff_s == 0
+    assert built({}, env={"KVBRIDGE_GIL_HANDOFF_US": "500"}).gil_handoff_s == pytest.approx(500e-6)
+    for bad in (-1, 20_000, "soon"):
+        with pytest.raises(ConfigError, match="gil_handoff_us"):
+            parse_connector_config({"gil_handoff_us": bad}, env={})

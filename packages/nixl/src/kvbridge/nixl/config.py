@@ -66,6 +66,13 @@ class EngineConfig:
     #: vLLM prefill worker learns of a finished request (and holds its blocks) only at its
     #: next step
     busy_after_poll_s: float = 5.0
+    #: while the engine's worker thread runs a job (a handshake, posting transfers, checking
+    #: them), ``poll()`` first sleeps this long (seconds; 0: never), so that the worker can
+    #: take the GIL: CPython gives it to a waiting thread only when the holder blocks, and a
+    #: main thread that never blocks but often releases the GIL for an instant (vLLM's engine
+    #: loop while requests wait for their KV) kept a decode worker from finishing its first
+    #: handshake for 0.2-5.7 s (docs/benchmarks.md, first-request overhead)
+    gil_handoff_s: float = 0.0002
     #: CPUs the engine's worker thread (handshakes, posting READs and WRITEs, which over
     #: UCX in host memory copy in the posting thread) runs on; None: the CPUs of the thread
     #: that built the engine. See :func:`all_cpus`
@@ -113,6 +120,8 @@ class EngineConfig:
         for name in ("progress_interval_s", "idle_progress_interval_s"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ValueError(f"{name} must be within [0, 1] seconds, got {getattr(self, name)!r}")
+        if not 0 <= self.gil_handoff_s <= 0.01:
+            raise ValueError(f"gil_handoff_s must be within [0, 0.01] seconds, got {self.gil_handoff_s!r}")
         if not 0 <= self.busy_after_poll_s <= 3600:
             raise ValueError(f"busy_after_poll_s must be within [0, 3600] seconds, got "
                              f"{self.busy_after_poll_s!r}")

@@ -240,8 +240,12 @@ class RankEngine:
         return time.monotonic() < self._busy_until
 
     def _polled(self) -> None:
-        """Called by ``poll()``: the owner is stepping, so peers may be about to transfer."""
+        """Called by ``poll()``: the owner is stepping, so peers may be about to transfer; and
+        while the worker runs a job, the owner pauses to let it take the GIL
+        (``gil_handoff_s``)."""
         self._busy_until = time.monotonic() + self.config.busy_after_poll_s
+        if self.config.gil_handoff_s and self._worker.in_job:
+            time.sleep(self.config.gil_handoff_s)
 
     # ----- planning hooks ---------------------------------------------------
     def plan_for(self, peer_spec: EngineSpec) -> TransferPlan:

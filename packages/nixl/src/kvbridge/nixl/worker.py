@@ -122,6 +122,9 @@ class Worker:
         #: the CPUs the thread runs on once started (None: as inherited)
         self.cpus: frozenset[int] | None = None
         self._jobs: queue.Queue[Job | None] = queue.Queue()
+        #: a job is running (read by the owner's thread to hand it the GIL, see
+        #: ``EngineConfig.gil_handoff_s``)
+        self.in_job = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -180,10 +183,13 @@ class Worker:
                 continue
             if job is None:
                 return
+            self.in_job = True
             try:
                 job()
             except Exception:  # jobs report their own errors; this is a bug, not a peer's input
                 log.exception("%s: a background job failed", self._thread.name)
+            finally:
+                self.in_job = False
 
 
 def _nothing() -> None:

@@ -49,6 +49,7 @@ class ConnectorConfig:
     progress_thread: bool = True
     huge_pages: bool = True
     complete_in_background: bool = True
+    gil_handoff_us: int = 200
     warm_up: bool = True
     lease_seconds: float = 120.0
     heartbeat_seconds: float = None  # type: ignore[assignment]  # resolved to lease / 4
@@ -127,6 +128,11 @@ CONFIG_KEYS: tuple[ConfigKey, ...] = (
               "decode: the worker thread that posts a request's READs checks them until they "
               "complete (else only the once-per-step poll does, and large host READs advance "
               "only then)"),
+    ConfigKey("gil_handoff_us", ("KVBRIDGE_GIL_HANDOFF_US",),
+              "while a rank's transfer thread has work (a handshake, posting, checking), each "
+              "vLLM step pauses this many microseconds so that the thread gets Python's GIL "
+              "(without it a busy engine loop kept first handshakes waiting for seconds); 0: "
+              "never"),
     ConfigKey("warm_up", ("KVBRIDGE_WARM_UP",),
               "at start, connect each rank's NIXL agent once to a throwaway agent and move a few "
               "bytes both ways, so that the first request does not pay the one-time connection "
@@ -284,6 +290,7 @@ _PARSERS: dict[str, Callable[[str, Any, str | None], Any]] = {
     "huge_pages": _bool,
     "complete_in_background": _bool,
     "warm_up": _bool,
+    "gil_handoff_us": lambda k, v, e: _int(k, v, e, lo=0, hi=10_000),
     "side_channel_host": _host,
     "side_channel_port": lambda k, v, e: _int(k, v, e, lo=1, hi=65535),
     "auth_key": _auth_key,

@@ -118,6 +118,7 @@ def engine_config(cfg: ConnectorConfig, *, mem_type: str, model: str,
         worker_cpus=(all_cpus() if cfg.transfer_cpus == "all" else
                      None if cfg.transfer_cpus == "inherit" else tuple(cfg.transfer_cpus)),
         complete_in_background_s=0.5 if cfg.complete_in_background else 0.0,
+        gil_handoff_s=cfg.gil_handoff_us / 1e6,
         warm_up=cfg.warm_up,
         null_block_id=null_block_id,  # vLLM's null block: ids outside a sliding window
         kv_cache_dtype=kv_cache_dtype,
