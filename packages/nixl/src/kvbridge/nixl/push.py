@@ -291,14 +291,10 @@ class PushWrites(PrefillMode):
         """A push given up: tell the decode ranks it feeds at once, so that they recompute
         instead of waiting for their transfer timeout (best effort: without a handshake, or
         with the decode engine gone, they time out as before)."""
-        e = self.engine
-        if p.waiting or not e.peers.is_current(p.peer):
+        if p.waiting or not self.engine.peers.is_current(p.peer):
             return
         try:
-            msg = self._written(p, Kind.FAILED)
-            for r in p.peer.plan.prefill_ranks[e.rank].read_by:
-                e.agent.notify(p.peer.agents[r], msg)
-                e.stats.notifications_sent += 1
+            self._notify_all(p, Kind.FAILED)
         except (NixlError, ValueError, KeyError) as exc:
             log.debug("push of %s: telling the decode engine it failed did not work: %s", p.request_id, exc)
 
@@ -320,14 +316,16 @@ class PushWrites(PrefillMode):
         if err is not None:
             self._finish(p, err, FailureKind.POST)
 
-    def _notify_all(self, p: Push) -> None:
-        """Layered push complete: tell every decode rank this rank fed that it wrote."""
+    def _notify_all(self, p: Push, kind: Kind = Kind.WRITTEN) -> None:
+        """Tell every decode rank this rank fed that its part is written (a layered push
+        complete) or, with ``Kind.FAILED``, that it never will be."""
         e = self.engine
-        msg = self._written(p)
+        msg = self._written(p, kind)
         for r in p.peer.plan.prefill_ranks[e.rank].read_by:
             e.agent.notify(p.peer.agents[r], msg)
             e.stats.notifications_sent += 1
-        mark("notified", p.tag)
+        if kind is Kind.WRITTEN:
+            mark("notified", p.tag)
 
     def _finish(self, p: Push, error: str | None, kind: FailureKind | None = None) -> None:
         """End a push: release its WRITE handles, then its blocks. A posting job still
