@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
                     dt, pt = _ttft_ms(run.decode["rounds"][0]), _ttft_ms(run.prefill["rounds"][0])
                     ttft = None if dt is None else dt + ((pt or 0.0) if m == "pull" else 0.0)
                     figs = transfer_figures(run, side="decode" if m == "pull" else "prefill")
-                    row = {"round": r, "ttft_ms": ttft, "transfer_ms": (figs.get("transfer_s") or 0) * 1e3,
+                    row = {"round": r, "ttft_ms": ttft, "prefill_ttft_ms": pt, "transfer_ms": (figs.get("transfer_s") or 0) * 1e3,
                            "transfers": figs.get("transfers"), "GB/s": figs.get("GB/s"),
                            **(overlap(p.log_since(po), d.log_since(do)) or {})}
                     problems += [f"{m} round {r}: {x}" for x in transfer_problems(run)]
@@ -226,7 +226,7 @@ def report(rows: dict[str, list[dict[str, Any]]], meta: dict[str, Any], problems
                       "transfer_ms": med("transfer_ms"), "GB/s": med("GB/s"), "left_ms": med("left_ms"),
                       "left_to_last_write_ms": med("left_to_last_write_ms"), "write_ms": med("write_ms"),
                       "forward_tail_ms": med("forward_tail_ms"),
-                      "post_lag_ms": med("post_lag_ms"),
+                      "post_lag_ms": med("post_lag_ms"), "prefill_ttft_ms": med("prefill_ttft_ms"),
                       "left_max": max((x.get("left_ms", float("nan")) for x in later), default=float("nan"))}
         s = summary[m]
         print(f"{m:15s} {s['ttft_ms']:8.1f} ms ({s['ttft_min']:.1f}-{s['ttft_max']:.1f})"

@@ -249,3 +249,22 @@ def test_gil_handoff_reaches_the_engine_config_in_seconds() -> None:
     for bad in (-1, 20_000, "soon"):
         with pytest.raises(ConfigError, match="gil_handoff_us"):
             parse_connector_config({"gil_handoff_us": bad}, env={})
+
+
+def test_idle_wait_key_env_and_bad_values() -> None:
+    assert parse_connector_config({}, env={}).idle_wait_us == 1000
+    assert parse_connector_config({"idle_wait_us": 0}, env={}).idle_wait_us == 0
+    assert parse_connector_config({}, env={"KVBRIDGE_IDLE_WAIT_US": "250"}).idle_wait_us == 250
+    for bad in (-1, 200_000, "later"):
+        with pytest.raises(ConfigError, match="idle_wait_us"):
+            parse_connector_config({"idle_wait_us": bad}, env={})
+
+
+def test_a_step_is_idle_only_when_vllm_says_it_runs_no_tokens() -> None:
+    from types import SimpleNamespace
+
+    from kvbridge.vllm.shims import step_is_idle
+
+    assert step_is_idle(SimpleNamespace(total_num_scheduled_tokens=0))
+    assert not step_is_idle(SimpleNamespace(total_num_scheduled_tokens=7))
+    assert not step_is_idle(SimpleNamespace())  # a vLLM that does not say: never wait

@@ -7,6 +7,7 @@ attributes registration reads."""
 from __future__ import annotations
 
 import socket
+import threading
 import time
 from dataclasses import replace
 from types import SimpleNamespace
@@ -279,3 +280,90 @@ def test_a_kv_cache_dtype_kvbridge_does_not_know_is_refused_at_registration() ->
     with pytest.raises(ValueError, match="1-byte elements but the cache tensors hold fp32"):
         register_caches(_vllm_config("fp8"), SimpleNamespace(num_blocks=NB), _caches(1), CFG,
                         engine_id="P", attention_backend="test")
+
+
+# ----- idle steps: results(wait_s) waits for transfers instead of returning at once ------
+def test_an_idle_step_waits_through_the_handshake_and_read_and_returns_when_the_load_ends(pair) -> None:
+    """One results() call with a wait covers the handshake and the READ (without the wait,
+    that call returns before either is done), and returns as soon as the load ended."""
+    p, d = pair
+    _, params = p.sched.mode.finished("p-1", prefill_request_params(), completed=True,
+                                       block_ids=([3, 5, 7],), num_computed_tokens=40,
+                                       num_prompt_tokens=40)
+    p.step()
+    d.sched.mode.matched_tokens("d-1", params, 40, 0)
+    d.sched.mode.after_alloc("d-1", params, 40, alloc([[2, 9, 4]], 0), 40)
+    d.worker.start(d.sched.mode.take_orders())
+    t0 = time.monotonic()
+    r = d.worker.results(wait_s=8.0)
+    took = time.monotonic() - t0
+    assert r.finished_recving == {"d-1"} and not r.failed_recving
+    assert took < 5.0, f"the wait did not end when the load did ({took:.2f} s)"
+    for name, pc in p.caches.items():
+        torch.testing.assert_close(d.caches[name][[2, 9, 4]], pc[[3, 5, 7]], rtol=0, atol=0)
+
+
+def test_an_idle_step_on_the_prefill_side_wakes_on_the_decode_engines_notification(pair) -> None:
+    """The prefill rank holds a request until the decode rank's DONE notification, which
+    wakes nothing by itself: the wait checks for it and returns with the request sent."""
+    p, d = pair
+    _, params = p.sched.mode.finished("p-1", prefill_request_params(), completed=True,
+                                       block_ids=([3, 5],), num_computed_tokens=20,
+                                       num_prompt_tokens=20)
+    p.step()
+    out: list[tuple[TransferResults, float]] = []
+
+    def wait() -> None:
+        t0 = time.monotonic()
+        out.append((p.worker.results(wait_s=8.0), time.monotonic() - t0))
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    d.sched.mode.matched_tokens("d-1", params, 20, 0)
+    d.sched.mode.after_alloc("d-1", params, 20, alloc([[2, 9]], 0), 20)
+    recved, _ = _decode_only(d, "d-1")  # only the decode engine steps meanwhile
+    waiter.join(10)
+    assert recved == {"d-1"}
+    assert out and out[0][0].finished_sending == {"p-1"}
+    assert out[0][1] < 5.0
+
+
+def _decode_only(d: Engine, rid: str, timeout: float = 20.0) -> tuple[set, set]:
+    recved: set[str] = set()
+    failed: set[str] = set()
+    deadline = time.monotonic() + timeout
+    while rid not in recved and time.monotonic() < deadline:
+        r = d.step()
+        recved |= r.finished_recving
+        failed |= r.failed_recving
+        time.sleep(0.005)
+    return recved, failed
+
+
+def test_an_idle_wait_ends_at_its_limit_while_the_transfer_goes_on() -> None:
+    """A load from an engine that never answers: the wait returns empty at its limit
+    (the load fails later, at the handshake timeout, as without the wait)."""
+    d = Engine("D", DECODE, seed=None)
+    try:
+        dead = RemotePrefill.of(engine_id="gone", host="127.0.0.1", port=_free_port(),
+                                request_id="p-9", block_ids=((1, 2),), token="t" * 32,
+                                incarnation="x", num_tokens=20, block_size=BLOCK)
+        params = encode_remote_prefill(dead)
+        d.sched.mode.matched_tokens("d-9", params, 20, 0)
+        d.sched.mode.after_alloc("d-9", params, 20, alloc([[6, 8]], 0), 20)
+        d.worker.start(d.sched.mode.take_orders())
+        t0 = time.monotonic()
+        r = d.worker.results(wait_s=0.3)
+        took = time.monotonic() - t0
+        assert r == TransferResults()
+        assert 0.25 <= took < 1.5
+    finally:
+        d.close()
+
+
+def test_an_idle_wait_returns_at_once_with_nothing_in_flight(pair) -> None:
+    p, d = pair
+    for w in (p.worker, d.worker):
+        t0 = time.monotonic()
+        assert w.results(wait_s=5.0) == TransferResults()
+        assert time.monotonic() - t0 < 0.5

@@ -50,6 +50,7 @@ class ConnectorConfig:
     huge_pages: bool = True
     complete_in_background: bool = True
     gil_handoff_us: int = 200
+    idle_wait_us: int = 1000
     warm_up: bool = True
     lease_seconds: float = 120.0
     heartbeat_seconds: float = None  # type: ignore[assignment]  # resolved to lease / 4
@@ -133,6 +134,11 @@ CONFIG_KEYS: tuple[ConfigKey, ...] = (
               "vLLM step pauses this many microseconds so that the thread gets Python's GIL "
               "(without it a busy engine loop kept first handshakes waiting for seconds); 0: "
               "never"),
+    ConfigKey("idle_wait_us", ("KVBRIDGE_IDLE_WAIT_US",),
+              "in a step that runs nothing while this rank holds or awaits blocks, wait up to "
+              "this many microseconds for a transfer to end before returning to vLLM (which "
+              "would step again at once, spinning a core); a transfer that ends wakes it at "
+              "once; 0: never wait"),
     ConfigKey("warm_up", ("KVBRIDGE_WARM_UP",),
               "at start, connect each rank's NIXL agent once to a throwaway agent and move a few "
               "bytes both ways, so that the first request does not pay the one-time connection "
@@ -291,6 +297,7 @@ _PARSERS: dict[str, Callable[[str, Any, str | None], Any]] = {
     "complete_in_background": _bool,
     "warm_up": _bool,
     "gil_handoff_us": lambda k, v, e: _int(k, v, e, lo=0, hi=10_000),
+    "idle_wait_us": lambda k, v, e: _int(k, v, e, lo=0, hi=100_000),
     "side_channel_host": _host,
     "side_channel_port": lambda k, v, e: _int(k, v, e, lo=1, hi=65535),
     "auth_key": _auth_key,

@@ -89,9 +89,11 @@ class KVBridgeHandshake(KVConnectorHandshakeMetadata):
 
 @dataclass
 class KVBridgeConnectorMetadata(KVConnectorMetadata):
-    """What the scheduler tells every worker for one step: its mode's orders."""
+    """What the scheduler tells every worker for one step: its mode's orders, and whether
+    the step runs nothing (then a worker may wait for transfers, see ``idle_wait_us``)."""
 
     orders: Orders = field(default_factory=PullOrders)
+    idle: bool = False
 
 
 # --------------------------------------------------------------------------- helpers
@@ -273,7 +275,8 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         """Scheduler, once per step after scheduling: this step's orders for every
         worker (loads, holds, releases, renewals; pushes and expectations); resets them."""
-        return KVBridgeConnectorMetadata(self._s().take_orders(shims.step_progress(scheduler_output)))
+        return KVBridgeConnectorMetadata(self._s().take_orders(shims.step_progress(scheduler_output)),
+                                         idle=shims.step_is_idle(scheduler_output))
 
     def has_pending_push_work(self) -> bool:
         """Scheduler, each loop: keep stepping while push offers, writes or releases are
@@ -405,7 +408,11 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         return meta.orders if isinstance(meta, KVBridgeConnectorMetadata) else self._no_orders
 
     def _results(self) -> TransferResults:
-        return self._w().results()
+        """This step's results; in a step that runs nothing, waiting up to ``idle_wait_us``
+        for a transfer to end (vLLM steps again at once otherwise, spinning a core)."""
+        meta = self._connector_metadata
+        idle = isinstance(meta, KVBridgeConnectorMetadata) and meta.idle
+        return self._w().results(self.config.idle_wait_us / 1e6 if idle else 0.0)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Worker, every step (older vLLM): (finished sending, finished receiving) on this

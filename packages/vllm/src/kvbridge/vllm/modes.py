@@ -157,6 +157,11 @@ class TransferResults:
     #: the subset of ``finished_recving`` whose load failed
     failed_recving: frozenset[str] = frozenset()
 
+    @property
+    def empty(self) -> bool:
+        """Nothing ended."""
+        return not (self.finished_sending or self.finished_recving or self.failed_recving)
+
 
 class WorkerMode(ABC):
     """The worker half of a mode: carries out each step's orders on one TP rank.
@@ -179,5 +184,6 @@ class WorkerMode(ABC):
         """After the forward pass: write what the step's saves did not."""
 
     @abstractmethod
-    def results(self) -> TransferResults:
-        """Requests whose transfer ended on this rank since the last call."""
+    def results(self, wait_s: float = 0.0) -> TransferResults:
+        """Requests whose transfer ended on this rank since the last call; with ``wait_s``
+        (an idle step), wait up to that long for one while transfers are in flight."""

@@ -20,6 +20,8 @@ from __future__ import annotations
 import copy
 import hashlib
 import logging
+import select
+import time
 from abc import abstractmethod
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +37,10 @@ from kvbridge.vllm.stats import empty_stats, is_empty, stats_delta
 __all__ = ["RankEngines"]
 
 log = logging.getLogger("kvbridge.vllm")
+
+#: while :meth:`RankEngines.results` waits out an idle step, how often it checks for
+#: NIXL notifications (which wake nothing by themselves)
+IDLE_CHECK_S = 0.0002
 
 
 @dataclass(frozen=True)
@@ -182,10 +188,38 @@ class RankEngines(WorkerMode):
         """A load (or expectation) refused before it started: reported failed next."""
         self._failed_now[request_id] = local
 
-    def results(self) -> TransferResults:
+    def results(self, wait_s: float = 0.0) -> TransferResults:
         """Requests whose transfer ended on this rank since the last call; a failed
         receive is also a finished one, and its local blocks go to
-        :meth:`take_invalid_blocks`."""
+        :meth:`take_invalid_blocks`.
+
+        ``wait_s`` > 0 (a step in which vLLM ran nothing): when nothing ended yet but
+        this rank still holds or awaits requests, wait up to ``wait_s`` for one to end,
+        instead of returning to a vLLM loop that would only step again at once. The
+        wait wakes at once on the transfer thread's reports (a READ or WRITE done, a
+        handshake ended) and checks NIXL notifications every :data:`IDLE_CHECK_S`."""
+        r = self._collect()
+        if wait_s <= 0 or not r.empty:
+            return r
+        end = time.monotonic() + wait_s
+        fds = [e.fileno() for e in (self.prefill, self.decode) if e is not None]
+        while self._in_flight():
+            left = end - time.monotonic()
+            if left <= 0:
+                break
+            select.select(fds, [], [], min(left, IDLE_CHECK_S))
+            r = self._collect()
+            if not r.empty:
+                break
+        return r
+
+    def _in_flight(self) -> bool:
+        """Whether this rank holds blocks for peers or awaits blocks from them."""
+        return bool((self.prefill is not None and self.prefill.held)
+                    or (self.decode is not None and self.decode.pending))
+
+    def _collect(self) -> TransferResults:
+        """One round of :meth:`results`, never waiting."""
         sending, recving, failed = set(self._free_now), set(self._failed_now), set(self._failed_now)
         for rid, blocks in self._failed_now.items():
             self._mark_invalid(rid, blocks)

@@ -219,6 +219,13 @@ def step_progress(scheduler_output: SchedulerOutput) -> list[StepProgress]:
     return out
 
 
+def step_is_idle(scheduler_output: SchedulerOutput) -> bool:
+    """Whether the step runs no tokens at all (every request waits, e.g. for remote KV);
+    False where vLLM does not say."""
+    n = getattr(scheduler_output, "total_num_scheduled_tokens", None)
+    return isinstance(n, int) and n == 0
+
+
 def _block_ids(groups: Sequence[Sequence[int]] | None) -> BlockIds | None:
     return None if groups is None else tuple(tuple(int(b) for b in g) for g in groups)
 
