@@ -29,7 +29,9 @@ last part (the WRITTEN notification applied, at its next step). *Left after the
 last layer* = last arrival minus the last layer's hand-over (whole push: minus the
 forward's end; worst request of a round; also shown: to the last WRITE's
 completion, and how long the forward ran on after its last layer). Target: at most two layers' WRITEs (2 x
-the median duration of one layer's WRITE). Needs the e2e environment
+the median duration of one layer's WRITE). Also printed per mode: the prefill
+engine's own TTFT, and the CPU time each engine process used per round (all its
+threads, from /proc), which shows an engine spinning while it waits. Needs the e2e environment
 (scripts/setup_e2e_env.sh). Prints figures only.
 """
 
@@ -63,6 +65,12 @@ from e2e_harness import (  # noqa: E402
 MODES = ("pull", "push-whole", "push-layerwise")
 TIMELINE = re.compile(r"kvbridge-timeline (\w+) (\S+) t=([0-9.]+)(.*)")
 LAYERS_OF_WRITE = 2.0  # target: left after the forward <= this many layers' WRITEs
+
+
+def _cpu_s(engine: Any) -> float:
+    """CPU seconds (user + system, every thread) the engine's process has used so far."""
+    f = Path(f"/proc/{engine.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _ttft_ms(rec: dict[str, Any]) -> float | None:
@@ -181,15 +189,18 @@ def main(argv: list[str] | None = None) -> int:
                 for m in modes:
                     p, d = pairs[m]
                     po, do = p.log_offset(), d.log_offset()
+                    cpu0 = (_cpu_s(p), _cpu_s(d))
                     try:
                         run = pool.round(p, d, prompts, args.max_tokens, push=m != "pull")
                     except EngineFailed as exc:
                         problems.append(f"{m} round {r}: {(str(exc).splitlines() or ['?'])[0]}")
                         return 1
+                    cpu = [(b - a) * 1e3 for a, b in zip(cpu0, (_cpu_s(p), _cpu_s(d)), strict=True)]
                     dt, pt = _ttft_ms(run.decode["rounds"][0]), _ttft_ms(run.prefill["rounds"][0])
                     ttft = None if dt is None else dt + ((pt or 0.0) if m == "pull" else 0.0)
                     figs = transfer_figures(run, side="decode" if m == "pull" else "prefill")
-                    row = {"round": r, "ttft_ms": ttft, "prefill_ttft_ms": pt, "transfer_ms": (figs.get("transfer_s") or 0) * 1e3,
+                    row = {"round": r, "ttft_ms": ttft, "prefill_ttft_ms": pt,
+                           "prefill_cpu_ms": cpu[0], "decode_cpu_ms": cpu[1], "transfer_ms": (figs.get("transfer_s") or 0) * 1e3,
                            "transfers": figs.get("transfers"), "GB/s": figs.get("GB/s"),
                            **(overlap(p.log_since(po), d.log_since(do)) or {})}
                     problems += [f"{m} round {r}: {x}" for x in transfer_problems(run)]
@@ -210,7 +221,8 @@ def report(rows: dict[str, list[dict[str, Any]]], meta: dict[str, Any], problems
     print(f"\nmodel: {meta['model']}; {meta['num_prompts']} prompts x {meta['prompt_len']} tokens; KV per "
           f"round {meta['kv_bytes'] / 2**20:.1f} MiB; {meta['rounds']} interleaved rounds per mode after "
           f"round 0; load {meta['load_start']:.1f} -> {meta['load_end']:.1f}")
-    print("mode             TTFT median (min-max)          transfer ms  GB/s   left after last layer  layer WRITE")
+    print("mode             TTFT median (min-max)          transfer ms  GB/s   left after last layer  layer WRITE"
+          "  prefill TTFT  CPU ms/round prefill / decode")
     summary: dict[str, dict[str, Any]] = {}
     for m, rs in rows.items():
         later = [x for x in rs if x["round"] > 0 and x["ttft_ms"] is not None]
@@ -227,11 +239,13 @@ def report(rows: dict[str, list[dict[str, Any]]], meta: dict[str, Any], problems
                       "left_to_last_write_ms": med("left_to_last_write_ms"), "write_ms": med("write_ms"),
                       "forward_tail_ms": med("forward_tail_ms"),
                       "post_lag_ms": med("post_lag_ms"), "prefill_ttft_ms": med("prefill_ttft_ms"),
+                      "prefill_cpu_ms": med("prefill_cpu_ms"), "decode_cpu_ms": med("decode_cpu_ms"),
                       "left_max": max((x.get("left_ms", float("nan")) for x in later), default=float("nan"))}
         s = summary[m]
         print(f"{m:15s} {s['ttft_ms']:8.1f} ms ({s['ttft_min']:.1f}-{s['ttft_max']:.1f})"
               f"  {_f(s['transfer_ms'], '9.1f')}  {_f(s['GB/s'], '5.2f')}  {_f(s['left_ms'], '8.1f')} ms"
-              f"      {_f(s['write_ms'], '6.1f')} ms")
+              f"      {_f(s['write_ms'], '6.1f')} ms  {_f(s['prefill_ttft_ms'], '8.1f')} ms"
+              f"  {_f(s['prefill_cpu_ms'], '6.0f')} / {_f(s['decode_cpu_ms'], '4.0f')}")
     lw = summary.get("push-layerwise")
     if lw:
         limit = LAYERS_OF_WRITE * lw["write_ms"]

@@ -135,7 +135,7 @@ CONFIG_KEYS: tuple[ConfigKey, ...] = (
               "(without it a busy engine loop kept first handshakes waiting for seconds); 0: "
               "never"),
     ConfigKey("idle_wait_us", ("KVBRIDGE_IDLE_WAIT_US",),
-              "in a step that runs nothing while this rank holds or awaits blocks, wait up to "
+              "in a step that runs nothing while this decode rank awaits blocks, wait up to "
               "this many microseconds for a transfer to end before returning to vLLM (which "
               "would step again at once, spinning a core); a transfer that ends wakes it at "
               "once; 0: never wait"),

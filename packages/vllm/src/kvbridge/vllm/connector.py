@@ -408,8 +408,9 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         return meta.orders if isinstance(meta, KVBridgeConnectorMetadata) else self._no_orders
 
     def _results(self) -> TransferResults:
-        """This step's results; in a step that runs nothing, waiting up to ``idle_wait_us``
-        for a transfer to end (vLLM steps again at once otherwise, spinning a core)."""
+        """This step's results; in a step that runs nothing, a decode rank waits up to
+        ``idle_wait_us`` for a load to end (vLLM steps again at once otherwise, spinning a
+        core)."""
         meta = self._connector_metadata
         idle = isinstance(meta, KVBridgeConnectorMetadata) and meta.idle
         return self._w().results(self.config.idle_wait_us / 1e6 if idle else 0.0)

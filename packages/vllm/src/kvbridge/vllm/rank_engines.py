@@ -194,16 +194,23 @@ class RankEngines(WorkerMode):
         :meth:`take_invalid_blocks`.
 
         ``wait_s`` > 0 (a step in which vLLM ran nothing): when nothing ended yet but
-        this rank still holds or awaits requests, wait up to ``wait_s`` for one to end,
-        instead of returning to a vLLM loop that would only step again at once. The
-        wait wakes at once on the transfer thread's reports (a READ or WRITE done, a
-        handshake ended) and checks NIXL notifications every :data:`IDLE_CHECK_S`."""
+        this rank awaits blocks (a decode rank loading or expecting requests), wait up
+        to ``wait_s`` for one to end, instead of returning to a vLLM loop that would
+        only step again at once. The wait wakes at once on the transfer thread's reports
+        (a READ done, a handshake ended) and checks NIXL notifications (push mode's
+        WRITTEN) every :data:`IDLE_CHECK_S`. A rank that only holds blocks for decode
+        engines (prefill) never waits: measured in pull mode with pinned engines, a
+        prefill engine that waited instead of stepping made the decode engine's
+        forward steps stall for about 100 ms (cause not found; docs/vllm.md)."""
         r = self._collect()
         if wait_s <= 0 or not r.empty:
             return r
+        dec = self.decode
+        if dec is None:
+            return r
         end = time.monotonic() + wait_s
-        fds = [e.fileno() for e in (self.prefill, self.decode) if e is not None]
-        while self._in_flight():
+        fds = [dec.fileno()]
+        while dec.pending:
             left = end - time.monotonic()
             if left <= 0:
                 break
@@ -212,11 +219,6 @@ class RankEngines(WorkerMode):
             if not r.empty:
                 break
         return r
-
-    def _in_flight(self) -> bool:
-        """Whether this rank holds blocks for peers or awaits blocks from them."""
-        return bool((self.prefill is not None and self.prefill.held)
-                    or (self.decode is not None and self.decode.pending))
 
     def _collect(self) -> TransferResults:
         """One round of :meth:`results`, never waiting."""
