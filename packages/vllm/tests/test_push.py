@@ -271,3 +271,67 @@ def test_offers_older_than_the_transfer_timeout_are_never_written_into() -> None
     now[0] += 25
     (push,) = st.take_orders([("ok", 0, 16, None)]).pushes
     assert push.block_ids == ((4,),) and push.target.block_ids == ((7,),)
+
+
+# ----- idle steps: a push decode rank waits for the prefill engine's writes ------------
+def _expected(p: Engine, d: Engine, tid: str, d_blocks, p_blocks, tokens: int = 40) -> None:
+    """Decode offers ``d_blocks`` for request d-<tid>, prefill accepts with ``p_blocks``,
+    and decode's step expects the request."""
+    dparams, pparams = _decode_params(p, tid), _prefill_params(tid)
+    d.sched.mode.matched_tokens(f"d-{tid}", dparams, tokens, 0)
+    d.sched.mode.after_alloc(f"d-{tid}", dparams, tokens, alloc([d_blocks], 0), tokens)
+    _wait(lambda: p.sched.mode.matched_tokens(f"p-{tid}", pparams, tokens, 0) == (0, False))
+    p.sched.mode.after_alloc(f"p-{tid}", pparams, 0, alloc([p_blocks]), 0)
+    _wait(lambda: d.sched.mode._expects)
+    (exp,) = d.step()[0].expects
+    assert exp.local_block_ids == (tuple(d_blocks),)
+
+
+def test_an_idle_decode_step_waits_for_the_writes_and_returns_when_they_land(engines) -> None:
+    """One results() call with a wait returns the request as soon as the prefill engine's
+    WRITEs landed (found from the WRITTEN notifications it checks while waiting); without
+    the wait it returns before the prefill engine even computed."""
+    import threading
+
+    p, d = engines
+    _expected(p, d, "w1", [2, 9, 4], [3, 5, 7, 11])
+    out: list = []
+
+    def idle_step() -> None:
+        t0 = time.monotonic()
+        out.append((d.worker.results(wait_s=8.0), time.monotonic() - t0))
+
+    waiter = threading.Thread(target=idle_step)
+    waiter.start()
+    time.sleep(0.2)  # the decode rank waits meanwhile; then the prefill engine computes
+    p.progress = [("p-w1", 0, 40, None)]
+    p.step(forward=True)
+    end = time.monotonic() + 10
+    while waiter.is_alive() and time.monotonic() < end:  # the prefill engine keeps stepping
+        p.step()
+        time.sleep(0.005)
+    waiter.join(1)
+    assert out, "the idle step never returned"
+    res, took = out[0]
+    assert res.finished_recving == {"d-w1"} and not res.failed_recving
+    assert 0.2 <= took < 5.0
+    for name, pc in p.caches.items():
+        for pb, db in ((3, 2), (5, 9), (7, 4)):
+            assert torch.equal(d.caches[name][db], pc[pb]), (name, pb, db)
+
+
+def test_an_idle_decode_wait_ends_at_its_limit(engines) -> None:
+    """Nothing is written: the wait returns empty at its limit, the request still awaited."""
+    p, d = engines
+    _expected(p, d, "w2", [6, 8], [1, 2])
+    t0 = time.monotonic()
+    assert d.worker.results(wait_s=0.3).empty
+    assert 0.25 <= time.monotonic() - t0 < 1.5
+    assert d.worker.decode.pending == 1
+
+
+def test_an_idle_decode_rank_with_nothing_awaited_returns_at_once(engines) -> None:
+    _, d = engines
+    t0 = time.monotonic()
+    assert d.worker.results(wait_s=5.0).empty
+    assert time.monotonic() - t0 < 0.5

@@ -281,66 +281,23 @@ def test_a_kv_cache_dtype_kvbridge_does_not_know_is_refused_at_registration() ->
                         engine_id="P", attention_backend="test")
 
 
-# ----- idle steps: results(wait_s) waits for transfers instead of returning at once ------
-def test_an_idle_step_waits_through_the_handshake_and_read_and_returns_when_the_load_ends(pair) -> None:
-    """One results() call with a wait covers the handshake and the READ (without the wait,
-    that call returns before either is done), and returns as soon as the load ended."""
+# ----- idle steps: only push-mode decode ranks wait (test_push.py); pull ranks never do -----
+def test_pull_ranks_never_wait_in_an_idle_step(pair) -> None:
+    """Pull mode: neither a decode rank with a load in flight nor a prefill rank holding
+    blocks waits (RankEngines.idle_waits); both return at once."""
     p, d = pair
-    _, params = p.sched.mode.finished("p-1", prefill_request_params(), completed=True,
-                                       block_ids=([3, 5, 7],), num_computed_tokens=40,
-                                       num_prompt_tokens=40)
-    p.step()
-    d.sched.mode.matched_tokens("d-1", params, 40, 0)
-    d.sched.mode.after_alloc("d-1", params, 40, alloc([[2, 9, 4]], 0), 40)
-    d.worker.start(d.sched.mode.take_orders())
-    t0 = time.monotonic()
-    r = d.worker.results(wait_s=8.0)
-    took = time.monotonic() - t0
-    assert r.finished_recving == {"d-1"} and not r.failed_recving
-    assert took < 5.0, f"the wait did not end when the load did ({took:.2f} s)"
-    for name, pc in p.caches.items():
-        torch.testing.assert_close(d.caches[name][[2, 9, 4]], pc[[3, 5, 7]], rtol=0, atol=0)
-
-
-def test_a_prefill_rank_holding_blocks_never_waits(pair) -> None:
-    """Only ranks that await blocks wait in an idle step; a prefill rank holding a request
-    for the decode engine returns at once (see RankEngines.results)."""
-    p, _ = pair
-    held, _ = p.sched.mode.finished("p-1", prefill_request_params(), completed=True,
-                                     block_ids=([3, 5],), num_computed_tokens=20,
-                                     num_prompt_tokens=20)
+    held, params = p.sched.mode.finished("p-1", prefill_request_params(), completed=True,
+                                          block_ids=([3, 5],), num_computed_tokens=20,
+                                          num_prompt_tokens=20)
     assert held
     p.step()
+    d.sched.mode.matched_tokens("d-1", params, 20, 0)
+    d.sched.mode.after_alloc("d-1", params, 20, alloc([[2, 9]], 0), 20)
+    d.worker.start(d.sched.mode.take_orders())
     assert p.worker.prefill is not None and p.worker.prefill.held == 1
-    t0 = time.monotonic()
-    assert p.worker.results(wait_s=5.0) == TransferResults()
-    assert time.monotonic() - t0 < 0.5
-
-
-def test_an_idle_wait_ends_at_its_limit_while_the_transfer_goes_on() -> None:
-    """A load from an engine that never answers: the wait returns empty at its limit
-    (the load fails later, at the handshake timeout, as without the wait)."""
-    d = Engine("D", DECODE, seed=None)
-    try:
-        dead = RemotePrefill.of(engine_id="gone", host="127.0.0.1", port=_free_port(),
-                                request_id="p-9", block_ids=((1, 2),), token="t" * 32,
-                                incarnation="x", num_tokens=20, block_size=BLOCK)
-        params = encode_remote_prefill(dead)
-        d.sched.mode.matched_tokens("d-9", params, 20, 0)
-        d.sched.mode.after_alloc("d-9", params, 20, alloc([[6, 8]], 0), 20)
-        d.worker.start(d.sched.mode.take_orders())
+    for w in (d.worker, p.worker):
         t0 = time.monotonic()
-        r = d.worker.results(wait_s=0.3)
-        took = time.monotonic() - t0
-        assert r == TransferResults()
-        assert 0.25 <= took < 1.5
-    finally:
-        d.close()
-
-
-def test_an_idle_wait_returns_at_once_with_nothing_in_flight(pair) -> None:
-    p, d = pair
-    for w in (p.worker, d.worker):
-        t0 = time.monotonic()
-        assert w.results(wait_s=5.0) == TransferResults()
+        assert w.results(wait_s=5.0).empty  # a wait would have returned the load done
         assert time.monotonic() - t0 < 0.5
+    _, recved, failed = _run(p, d, lambda s, r, f: "d-1" in r)  # and the load still completes
+    assert recved == {"d-1"} and failed == set()

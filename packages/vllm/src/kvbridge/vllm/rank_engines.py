@@ -73,6 +73,12 @@ class RankEngines(WorkerMode):
     logged.
     """
 
+    #: whether :meth:`results` waits out idle steps on a decode rank (see there): push mode,
+    #: where the decode engine is idle while the prefill engine computes and writes; not
+    #: pull mode, where the decode rank's own threads copy (waiting there cost about 5 ms
+    #: of decode TTFT per request on the benchmark host, docs/vllm.md "Idle steps")
+    idle_waits: bool = False
+
     def __init__(self, rank: int, roles: EngineRoles, *, single_group: bool = True) -> None:
         self.rank = rank
         self.roles = roles
@@ -193,17 +199,17 @@ class RankEngines(WorkerMode):
         receive is also a finished one, and its local blocks go to
         :meth:`take_invalid_blocks`.
 
-        ``wait_s`` > 0 (a step in which vLLM ran nothing): when nothing ended yet but
-        this rank awaits blocks (a decode rank loading or expecting requests), wait up
-        to ``wait_s`` for one to end, instead of returning to a vLLM loop that would
-        only step again at once. The wait wakes at once on the transfer thread's reports
-        (a READ done, a handshake ended) and checks NIXL notifications (push mode's
-        WRITTEN) every :data:`IDLE_CHECK_S`. A rank that only holds blocks for decode
-        engines (prefill) never waits: measured in pull mode with pinned engines, a
-        prefill engine that waited instead of stepping made the decode engine's
-        forward steps stall for about 100 ms (cause not found; docs/vllm.md)."""
+        ``wait_s`` > 0 (a step in which vLLM ran nothing), in a mode whose decode ranks
+        wait (:attr:`idle_waits`): when nothing ended yet but this rank awaits blocks,
+        wait up to ``wait_s`` for a request to end, instead of returning to a vLLM loop
+        that would only step again at once. The wait wakes at once on the transfer
+        thread's reports (a handshake ended, a transfer failed) and checks NIXL
+        notifications (push mode's WRITTEN) every :data:`IDLE_CHECK_S`. A rank that only
+        holds blocks for decode engines (prefill) never waits: measured in pull mode with
+        pinned engines, a prefill engine that waited instead of stepping made the decode
+        engine's forward steps stall for about 100 ms (cause not found; docs/vllm.md)."""
         r = self._collect()
-        if wait_s <= 0 or not r.empty:
+        if wait_s <= 0 or not r.empty or not self.idle_waits:
             return r
         dec = self.decode
         if dec is None:

@@ -23,6 +23,8 @@ class PushWorker(RankEngines):
     :meth:`finish_saves` sees a step's orders first opens its pushes.
     """
 
+    idle_waits = True  # the decode engine has nothing to do while the prefill computes
+
     def __init__(self, rank, roles, *, single_group: bool = True) -> None:
         super().__init__(rank, roles, single_group=single_group)
         self._step_pushes: list[PushOrder] = []  # this step's writes (saved in the forward pass)
