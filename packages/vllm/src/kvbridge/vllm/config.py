@@ -135,10 +135,11 @@ CONFIG_KEYS: tuple[ConfigKey, ...] = (
               "(without it a busy engine loop kept first handshakes waiting for seconds); 0: "
               "never"),
     ConfigKey("idle_wait_us", ("KVBRIDGE_IDLE_WAIT_US",),
-              "in a step that runs nothing while this decode rank awaits blocks, wait up to "
-              "this many microseconds for a transfer to end before returning to vLLM (which "
-              "would step again at once, spinning a core); a transfer that ends wakes it at "
-              "once; 0: never wait"),
+              "push mode: in a step that runs nothing while this decode rank awaits the "
+              "prefill engine's writes, wait up to this many microseconds for a request to "
+              "land before returning to vLLM (which would step again at once, spinning a "
+              "core); it returns as soon as one has; pull mode and prefill ranks never wait; "
+              "0: never wait"),
     ConfigKey("warm_up", ("KVBRIDGE_WARM_UP",),
               "at start, connect each rank's NIXL agent once to a throwaway agent and move a few "
               "bytes both ways, so that the first request does not pay the one-time connection "

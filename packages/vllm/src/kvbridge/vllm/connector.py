@@ -90,7 +90,7 @@ class KVBridgeHandshake(KVConnectorHandshakeMetadata):
 @dataclass
 class KVBridgeConnectorMetadata(KVConnectorMetadata):
     """What the scheduler tells every worker for one step: its mode's orders, and whether
-    the step runs nothing (then a worker may wait for transfers, see ``idle_wait_us``)."""
+    the step runs nothing (then a push-mode decode worker may wait, see ``idle_wait_us``)."""
 
     orders: Orders = field(default_factory=PullOrders)
     idle: bool = False
@@ -408,9 +408,9 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         return meta.orders if isinstance(meta, KVBridgeConnectorMetadata) else self._no_orders
 
     def _results(self) -> TransferResults:
-        """This step's results; in a step that runs nothing, a decode rank waits up to
-        ``idle_wait_us`` for a load to end (vLLM steps again at once otherwise, spinning a
-        core)."""
+        """This step's results; in a step that runs nothing, a push-mode decode rank waits
+        up to ``idle_wait_us`` for a request to land (vLLM steps again at once otherwise,
+        spinning a core; see ``RankEngines.results``)."""
         meta = self._connector_metadata
         idle = isinstance(meta, KVBridgeConnectorMetadata) and meta.idle
         return self._w().results(self.config.idle_wait_us / 1e6 if idle else 0.0)
