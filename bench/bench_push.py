@@ -61,16 +61,11 @@ from e2e_harness import (  # noqa: E402
     transfer_figures,
     transfer_problems,
 )
+from proc_cpu import process_cpu_s  # noqa: E402
 
 MODES = ("pull", "push-whole", "push-layerwise")
 TIMELINE = re.compile(r"kvbridge-timeline (\w+) (\S+) t=([0-9.]+)(.*)")
 LAYERS_OF_WRITE = 2.0  # target: left after the forward <= this many layers' WRITEs
-
-
-def _cpu_s(engine: Any) -> float:
-    """CPU seconds (user + system, every thread) the engine's process has used so far."""
-    f = Path(f"/proc/{engine.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _ttft_ms(rec: dict[str, Any]) -> float | None:
@@ -189,13 +184,14 @@ def main(argv: list[str] | None = None) -> int:
                 for m in modes:
                     p, d = pairs[m]
                     po, do = p.log_offset(), d.log_offset()
-                    cpu0 = (_cpu_s(p), _cpu_s(d))
+                    pids = (p.proc.pid, d.proc.pid)
+                    cpu0 = [process_cpu_s(x) for x in pids]
                     try:
                         run = pool.round(p, d, prompts, args.max_tokens, push=m != "pull")
                     except EngineFailed as exc:
                         problems.append(f"{m} round {r}: {(str(exc).splitlines() or ['?'])[0]}")
                         return 1
-                    cpu = [(b - a) * 1e3 for a, b in zip(cpu0, (_cpu_s(p), _cpu_s(d)), strict=True)]
+                    cpu = [(process_cpu_s(x) - c) * 1e3 for x, c in zip(pids, cpu0, strict=True)]
                     dt, pt = _ttft_ms(run.decode["rounds"][0]), _ttft_ms(run.prefill["rounds"][0])
                     ttft = None if dt is None else dt + ((pt or 0.0) if m == "pull" else 0.0)
                     figs = transfer_figures(run, side="decode" if m == "pull" else "prefill")

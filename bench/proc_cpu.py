@@ -20,6 +20,11 @@ def _ticks(stat: Path) -> int:
     return int(fields[11]) + int(fields[12])
 
 
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, every thread) process ``pid`` has used so far."""
+    return _ticks(Path(f"/proc/{pid}/stat")) / _TICK
+
+
 def group_pids(pgid: int) -> list[int]:
     """Every process of process group ``pgid``."""
     out = []
