@@ -76,7 +76,8 @@ class RankEngines(WorkerMode):
     #: whether :meth:`results` waits out idle steps on a decode rank (see there): push mode,
     #: where the decode engine is idle while the prefill engine computes and writes; not
     #: pull mode, where the decode rank's own threads copy (waiting there cost about 5 ms
-    #: of decode TTFT per request on the benchmark host, docs/vllm.md "Idle steps")
+    #: of decode TTFT per request on the benchmark host; docs/benchmarks.md, "Measurements
+    #: behind the defaults")
     idle_waits: bool = False
 
     def __init__(self, rank: int, roles: EngineRoles, *, single_group: bool = True) -> None:
@@ -202,12 +203,13 @@ class RankEngines(WorkerMode):
         ``wait_s`` > 0 (a step in which vLLM ran nothing), in a mode whose decode ranks
         wait (:attr:`idle_waits`): when nothing ended yet but this rank awaits blocks,
         wait up to ``wait_s`` for a request to end, instead of returning to a vLLM loop
-        that would only step again at once. The wait wakes at once on the transfer
-        thread's reports (a handshake ended, a transfer failed) and checks NIXL
-        notifications (push mode's WRITTEN) every :data:`IDLE_CHECK_S`. A rank that only
+        that would only step again at once. The wait sleeps in ``select()`` on the decode
+        engine's wake-up descriptor (anything its transfer thread reports ends the sleep)
+        and polls every :data:`IDLE_CHECK_S`, which is when NIXL notifications (push
+        mode's WRITTEN and FAILED) are seen. A rank that only
         holds blocks for decode engines (prefill) never waits: measured in pull mode with
         pinned engines, a prefill engine that waited instead of stepping made the decode
-        engine's forward steps stall for about 100 ms (cause not found; docs/vllm.md)."""
+        engine's forward steps stall for about 100 ms (cause not found; docs/benchmarks.md)."""
         r = self._collect()
         if wait_s <= 0 or not r.empty or not self.idle_waits:
             return r
