@@ -91,7 +91,7 @@ def overlap(prefill_log: str, decode_log: str) -> dict[str, float] | None:
     posted: dict[tuple[str, str], float] = {}
     saved: dict[tuple[str, str], float] = {}
     last_saved: dict[str, float] = {}  # the last layer handed over: the last layer computed
-    durations, lags, last_write = [], [], {}
+    durations, lags, last_write, notified = [], [], {}, {}
     for ev, rid, t, f in p:
         key = (rid, f.get("layers", ""))
         if ev == "saved":
@@ -105,6 +105,8 @@ def overlap(prefill_log: str, decode_log: str) -> dict[str, float] | None:
             if key in posted:
                 durations.append((t - posted[key]) * 1e3)
             last_write[rid] = max(last_write.get(rid, 0.0), t)
+        elif ev == "notified":
+            notified[rid] = t
     arrived: dict[str, float] = {}
     for ev, rid, t, _ in d:
         if ev == "arrived":
@@ -112,10 +114,12 @@ def overlap(prefill_log: str, decode_log: str) -> dict[str, float] | None:
     computed = {r: last_saved.get(r, t) for r, t in ends.items()}  # whole push: the forward's end
     left = [(arrived[r] - computed[r]) * 1e3 for r in ends if r in arrived]
     left_w = [(last_write[r] - computed[r]) * 1e3 for r in ends if r in last_write]
+    left_n = [(notified[r] - computed[r]) * 1e3 for r in ends if r in notified]
     tail = [(ends[r] - computed[r]) * 1e3 for r in ends]
     if not left:
         return None
     return {"left_ms": max(left), "left_to_last_write_ms": max(left_w) if left_w else float("nan"),
+            "left_to_notified_ms": max(left_n) if left_n else float("nan"),
             "forward_tail_ms": max(tail),
             "write_ms": statistics.median(durations) if durations else float("nan"),
             "writes": len(durations), "post_lag_ms": statistics.median(lags) if lags else float("nan")}
@@ -233,6 +237,7 @@ def report(rows: dict[str, list[dict[str, Any]]], meta: dict[str, Any], problems
         summary[m] = {"ttft_ms": statistics.median(t), "ttft_min": min(t), "ttft_max": max(t),
                       "transfer_ms": med("transfer_ms"), "GB/s": med("GB/s"), "left_ms": med("left_ms"),
                       "left_to_last_write_ms": med("left_to_last_write_ms"), "write_ms": med("write_ms"),
+                      "left_to_notified_ms": med("left_to_notified_ms"),
                       "forward_tail_ms": med("forward_tail_ms"),
                       "post_lag_ms": med("post_lag_ms"), "prefill_ttft_ms": med("prefill_ttft_ms"),
                       "prefill_cpu_ms": med("prefill_cpu_ms"), "decode_cpu_ms": med("decode_cpu_ms"),
@@ -248,7 +253,8 @@ def report(rows: dict[str, list[dict[str, Any]]], meta: dict[str, Any], problems
         ok = lw["left_ms"] <= limit
         print(f"\noverlap: after the last layer was computed (handed over), layer-by-layer push had {lw['left_ms']:.1f} ms left "
               f"to the decode engine's last arrival (median; worst {lw['left_max']:.1f} ms; to the last "
-              f"WRITE's completion {lw['left_to_last_write_ms']:.1f} ms; the forward pass ended "
+              f"WRITE's completion {lw['left_to_last_write_ms']:.1f} ms, to the WRITTEN notifications "
+              f"{_f(lw['left_to_notified_ms'], '.1f')} ms; the forward pass ended "
               f"{lw['forward_tail_ms']:.1f} ms after the last layer); target <= {LAYERS_OF_WRITE:g} layers' "
               f"WRITEs = {limit:.1f} ms: {'PASS' if ok else 'FAIL'} (WRITE posted {lw['post_lag_ms']:.1f} ms after "
               "its layer was handed over, median)")

@@ -367,3 +367,51 @@ def test_a_failed_notice_for_a_written_part_or_with_a_wrong_token_changes_nothin
         assert pair.dc.verify(kv, [1], 0, 16) == 0
     finally:
         pair.close()
+
+
+def _spy_notify(monkeypatch, engines):
+    """Record the prefill agents' separate notify() calls (the real call still happens)."""
+    calls: list[bytes] = []
+    for e in engines:
+        real = e.agent.notify
+
+        def spy(peer, message, real=real):
+            calls.append(message)
+            real(peer, message)
+
+        monkeypatch.setattr(e.agent, "notify", spy)
+    return calls
+
+
+def _layered_push_in_two_batches(pair, rid, seed):
+    d_blocks, p_blocks = [1, 6], [4, 3]
+    kv = _fill(pair, p_blocks, seed=seed)
+    ntok = len(p_blocks) * pair.p_spec.block_size
+    pair.dec.expect(rid, "prefill", pair.p_spec.tp_size, "tok-" + rid, (d_blocks,))
+    for e in pair.pre:
+        e.push_start(rid, (p_blocks,), _target(pair, rid, d_blocks))
+        e.push_layers(rid, [0, 1])
+    _wait_written(pair, lambda: pair.dc.verify(kv, d_blocks, 0, ntok, layers=[0, 1]) == 0)
+    assert _drain(pair, 0.2)[0] == []
+    for e in pair.pre:
+        e.push_layers(rid, [2, 3])
+    done, failed, released = pair.run(lambda d, f, r: d and len(r) == 2)
+    assert done == [rid] and not failed and {r.reason for r in released} == {"written"}
+    assert pair.dc.verify(kv, d_blocks, 0, ntok) == 0
+    assert [e.stats.notifications_sent for e in pair.pre] == [1, 1]
+    assert pair.dec.stats.notifications_received == 2 and pair.dec.stats.notifications_unknown == 0
+
+
+def test_the_last_writes_carry_the_notifications_when_the_earlier_ones_completed(pair, monkeypatch):
+    """Decode is told by NIXL as the last batch's WRITEs complete: no separate notify call."""
+    calls = _spy_notify(monkeypatch, pair.pre)
+    _layered_push_in_two_batches(pair, "n", seed=41)
+    assert calls == []
+
+
+def test_the_notifications_are_sent_apart_when_an_earlier_write_was_not_seen_complete(pair, monkeypatch):
+    calls = _spy_notify(monkeypatch, pair.pre)
+    for e in pair.pre:
+        monkeypatch.setattr(e.mode, "_all_written", lambda p: False)
+    _layered_push_in_two_batches(pair, "m", seed=43)
+    assert len(calls) == 2  # one WRITTEN per prefill rank, each sent once

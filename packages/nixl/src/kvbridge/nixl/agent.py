@@ -81,7 +81,7 @@ class PreparedList:
 class Transfer:
     """One prepared transfer request (``make_prepped_xfer``) owned by a :class:`NixlAgent`."""
 
-    __slots__ = ("handle", "peer", "op", "num_descs", "_owner")
+    __slots__ = ("handle", "peer", "op", "num_descs", "done", "_owner")
 
     def __init__(self, owner: NixlAgent, handle: object, peer: str, op: str, num_descs: int) -> None:
         self.handle = handle  # NIXL's handle (None once released); only the owning agent uses it
@@ -89,6 +89,9 @@ class Transfer:
         self.peer = peer
         self.op = op
         self.num_descs = num_descs
+        #: a check saw this posting complete: later checks answer "DONE" without asking NIXL
+        #: (a completed transfer stays complete until it is posted again)
+        self.done = False
 
     @property
     def released(self) -> bool:
@@ -327,18 +330,25 @@ class NixlAgent:
             self._check()
             if t.released:
                 raise NixlError("cannot post a released transfer")
+            t.done = False
             try:
                 return self._agent.transfer(t.handle)
             except Exception as exc:
                 raise NixlError(f"agent {self.name!r}: posting a {t.op} to {t.peer!r} failed: {exc}") from exc
 
     def state(self, t: Transfer) -> XferState:
+        """NIXL's state of a posted transfer ("ERR" once released). A completion once seen
+        is remembered, so that checking finished transfers again costs no NIXL call."""
+        if t.done and t.handle is not None and not self._closed:
+            return "DONE"
         with self._lock:
             self._check()
             try:
-                return self._agent.check_xfer_state(t.handle)
+                st = self._agent.check_xfer_state(t.handle)
             except Exception:
                 return "ERR"
+            t.done = st == "DONE"
+            return st
 
     def telemetry(self, t: Transfer) -> Telemetry | None:
         if not self.config.telemetry:

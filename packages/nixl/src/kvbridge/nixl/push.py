@@ -37,8 +37,11 @@ class Push:
     Whole-request pushes (``layered`` False) write every layer in one WRITE per
     decode rank, each carrying that rank's WRITTEN notification. Layered pushes
     write the layers the caller names as it computes them (several WRITEs per
-    decode rank, without notification) and notify each decode rank once every
-    WRITE of the request completed.
+    decode rank) and notify each decode rank once every WRITE of the request
+    completed: the last batch's WRITEs carry the notifications when every earlier
+    WRITE was seen complete before they are posted (NIXL then sends each as its
+    WRITE completes, with no further call from here), else they are sent
+    separately once all WRITEs completed.
     """
 
     request_id: str
@@ -51,7 +54,8 @@ class Push:
     deadline: float = 0.0
     waiting: bool = True  # for the handshake with the decode engine
     #: (layers, Mamba state) batches named before the handshake was done (posted once it is)
-    asked: list[tuple[tuple[int, ...], bool]] = field(default_factory=list)
+    #: and whether the batch is the push's last
+    asked: list[tuple[tuple[int, ...], bool, bool]] = field(default_factory=list)
     #: layers handed out for writing so far
     sent: set[int] = field(default_factory=set)
     #: no more layers will be named (whole-request pushes start closed)
@@ -67,6 +71,8 @@ class Push:
     #: layered: the WRITTEN notifications were sent (by the worker as soon as it saw every WRITE
     #: complete, or by poll()); ``lock`` makes that happen once
     notified: bool = False
+    #: layered: the last batch's WRITEs carry the WRITTEN notifications (set before posting them)
+    attached: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)
     #: every WRITE the worker posted for this push (appended on the worker thread only)
     posted: list[Transfer] = field(default_factory=list)
@@ -127,18 +133,19 @@ class PushWrites(PrefillMode):
             return
         p.sent.update(new)
         mark("saved", p.tag, layers=",".join(map(str, new)))
-        self._ask(p, new, False)
         if len(p.sent) == self.engine.spec.num_layers and all(g.attention for g in self.engine.groups):
             # every layer is in the cache and there is no Mamba state to wait for: close now,
             # so decode is told when these WRITEs land, not after the forward pass's tail
             self._closed_early.add(request_id)
-            self._close(p)
-
-    def _ask(self, p: Push, layers: tuple[int, ...], mamba: bool) -> None:
-        if p.waiting:
-            p.asked.append((layers, mamba))
+            self._close(p, new)
         else:
-            self._dispatch(p, layers, mamba)
+            self._ask(p, new, False)
+
+    def _ask(self, p: Push, layers: tuple[int, ...], mamba: bool, last: bool = False) -> None:
+        if p.waiting:
+            p.asked.append((layers, mamba, last))
+        else:
+            self._dispatch(p, layers, mamba, last)
 
     def finish(self, request_id: str) -> None:
         if request_id in self._closed_early:  # closed when its last layer was named
@@ -152,15 +159,17 @@ class PushWrites(PrefillMode):
         mark("forward_end", p.tag)
         self._close(p)
 
-    def _close(self, p: Push) -> None:
-        """No more layers will be named: write the rest, and notify once all is written."""
+    def _close(self, p: Push, named: tuple[int, ...] = ()) -> None:
+        """No more layers will be named: write ``named`` (the layers that completed the push)
+        or the rest, and notify once all is written."""
         p.closing = True
         rest = tuple(x for x in range(self.engine.spec.num_layers) if x not in p.sent)
         p.sent.update(rest)
-        if rest:
-            self._ask(p, rest, False)
+        batches = [(layers, False) for layers in (named, rest) if layers]
         if any(not g.attention for g in self.engine.groups):  # the Mamba state, once complete
-            self._ask(p, (), True)
+            batches.append(((), True))
+        for i, (layers, mamba) in enumerate(batches):
+            self._ask(p, layers, mamba, last=i == len(batches) - 1)
         if not p.waiting and self.engine.config.post_in_background:
             peer = p.peer
             self.engine.submit(lambda: self._notify_when_written(p, peer))
@@ -181,7 +190,11 @@ class PushWrites(PrefillMode):
                 self._notify_all(p)
             except NixlError:  # poll() tries again and fails the push if it must
                 return
-            p.notified = True
+
+    def _all_written(self, p: Push) -> bool:
+        """Every WRITE posted for ``p`` so far was seen complete (released ones were)."""
+        return not p.post_failed and all(x.released or self.engine.agent.state(x) == "DONE"
+                                         for x in p.posted)
 
     def _open(self, request_id: str) -> Push:
         p = self._pushes.get(request_id)
@@ -216,35 +229,41 @@ class PushWrites(PrefillMode):
             self._dispatch(p, None, True)
             return
         asked, p.asked = p.asked, []
-        for layers, mamba in asked:
-            self._dispatch(p, layers, mamba)
+        for layers, mamba, last in asked:
+            self._dispatch(p, layers, mamba, last)
 
     # ----- posting (worker thread with post_in_background, else here) ----------------
-    def _dispatch(self, p: Push, layers: tuple[int, ...] | None, mamba: bool) -> None:
+    def _dispatch(self, p: Push, layers: tuple[int, ...] | None, mamba: bool, last: bool = False) -> None:
         e, peer = self.engine, p.peer
         p.in_flight += 1
         if e.config.post_in_background:
-            e.submit(lambda: self._post_and_drive(p, peer, layers, mamba))
+            e.submit(lambda: self._post_and_drive(p, peer, layers, mamba, last))
         else:
-            self.on_event(self._post_job(p, peer, layers, mamba))
+            self.on_event(self._post_job(p, peer, layers, mamba, last))
 
     def _post_and_drive(self, p: Push, peer: Peer, layers: tuple[int, ...] | None,
-                        mamba: bool) -> None:
+                        mamba: bool, last: bool) -> None:
         """Worker thread: post, report, then check the WRITEs until they complete (see
         ``RankEngine.drive``), so the prefill side learns of them before its next poll."""
         e = self.engine
-        event = self._post_job(p, peer, layers, mamba)
+        event = self._post_job(p, peer, layers, mamba, last)
         e.report(event)
         if event.error is None and e.config.complete_in_background_s > 0:
-            e.drive(event.parts.values())
+            xs = event.parts.values()
+            e.drive(xs)
             if event.parts:
                 mark("written", p.tag, layers="all" if layers is None else ",".join(map(str, layers)))
+            if p.attached and all(e.agent.state(x) == "DONE" for x in xs):
+                with p.lock:
+                    if not p.notified:
+                        self._notified(p)
 
     def _post_job(self, p: Push, peer: Peer, layers: tuple[int, ...] | None,
-                  mamba: bool) -> WritesPosted:
+                  mamba: bool, last: bool = False) -> WritesPosted:
         """Build and post the WRITEs of the attention ``layers`` (None: the whole request, with
         notifications; empty: none) and, with ``mamba``, of the Mamba state; returns the event
-        that reports them."""
+        that reports them. The ``last`` batch of a layered push carries the notifications
+        when every earlier WRITE is complete already (:attr:`Push.attached`)."""
         e, plan = self.engine, peer.plan
         parts: dict[int, Transfer] = {}
         err = None
@@ -258,13 +277,14 @@ class PushWrites(PrefillMode):
             read_by = plan.prefill_ranks[e.rank].read_by
             bound = min((peer.infos[r].num_blocks for r in read_by), default=1)
             target_ids = group_arrays(p.target.block_ids, len(e.groups), bound, "decode")
-            msg = self._written(p) if layers is None else b""
+            p.attached = last and layers is not None and self._all_written(p)
+            msg = self._written(p) if layers is None or p.attached else b""
             for r in read_by:
                 ti, mi = pair_indices(peer.descs[r], e.groups, target_ids, p.groups, skip=skip,
                                       null=e.config.null_block_id, layers=layers or None,
                                       attention=layers is None or bool(layers), mamba=mamba)
                 if mi.size == 0:
-                    if layers is None:
+                    if msg:
                         e.agent.notify(peer.agents[r], msg)
                     continue
                 x = e.agent.make_transfer("WRITE", peer.local_lists[r], mi, peer.remote_lists[r], ti, msg)
@@ -326,6 +346,15 @@ class PushWrites(PrefillMode):
             e.stats.notifications_sent += 1
         if kind is Kind.WRITTEN:
             mark("notified", p.tag)
+            p.notified = True
+
+    def _notified(self, p: Push) -> None:
+        """The last WRITEs of ``p``, which carried the WRITTEN notifications, completed: NIXL
+        sent the notifications (the check that saw each WRITE complete did). Call under
+        ``p.lock``."""
+        self.engine.stats.notifications_sent += len(p.peer.plan.prefill_ranks[self.engine.rank].read_by)
+        mark("notified", p.tag)
+        p.notified = True
 
     def _finish(self, p: Push, error: str | None, kind: FailureKind | None = None) -> None:
         """End a push: release its WRITE handles, then its blocks. A posting job still
@@ -372,9 +401,12 @@ class PushWrites(PrefillMode):
                 if p.layered:
                     with p.lock:
                         try:
-                            if not p.notified:
+                            if p.notified:
+                                pass
+                            elif p.attached:  # the sweep saw the last WRITEs complete
+                                self._notified(p)
+                            else:
                                 self._notify_all(p)
-                                p.notified = True
                         except NixlError as exc:
                             self._finish(p, str(exc), FailureKind.TRANSFER)
                             continue
