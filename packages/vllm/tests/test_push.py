@@ -230,6 +230,30 @@ def test_offers_of_one_batch_are_scheduled_together() -> None:
     assert now[0] - t0 <= BATCH_CAP_S + BATCH_WINDOW_S
 
 
+def test_requests_that_arrived_together_wait_for_each_others_offers() -> None:
+    """A request the scheduler has not considered yet still counts as part of the batch: the
+    first request's offer does not release it alone while the second's is still coming
+    (else the engine computes them in two forward passes)."""
+    from kvbridge.handshake import PushOffer
+    from kvbridge.vllm.push.scheduler import BATCH_WINDOW_S, PushScheduler
+
+    now = [100.0]
+    st = PushScheduler(engine_id="P", block_size=16, tp_size=1, address=("127.0.0.1", 1), layerwise=True,
+                       wait_s=30, send_offer=None, clock=lambda: now[0])
+    st.set_served("", dict(block_size=16, kernel_blocks_per_block=1, head_order="HND"))
+    for rid in ("a", "b"):
+        assert st.on_new_request(rid, _prefill_params(rid), 16) is False
+    assert st.pending
+    st.on_offer(PushOffer(protocol_version=1, transfer_id="a", engine_id="D", host="h", port=1,
+                          tp_size=1, block_size=16, block_ids=[[1]], token="t"))
+    assert st.matched_tokens("a", _prefill_params("a"), 16, 0) == (None, False)  # b's is coming
+    now[0] += BATCH_WINDOW_S / 2
+    st.on_offer(PushOffer(protocol_version=1, transfer_id="b", engine_id="D", host="h", port=1,
+                          tp_size=1, block_size=16, block_ids=[[2]], token="t"))
+    assert st.matched_tokens("a", _prefill_params("a"), 16, 0) == (0, False)
+    assert st.matched_tokens("b", _prefill_params("b"), 16, 0) == (0, False)
+
+
 def test_offers_older_than_the_transfer_timeout_are_never_written_into() -> None:
     """The decode engine gives up on an offer after its transfer timeout and may reuse the
     blocks: the prefill engine must then neither keep nor push into that offer."""
@@ -335,3 +359,4 @@ def test_an_idle_decode_rank_with_nothing_awaited_returns_at_once(engines) -> No
     t0 = time.monotonic()
     assert d.worker.results(wait_s=5.0).empty
     assert time.monotonic() - t0 < 0.5
+

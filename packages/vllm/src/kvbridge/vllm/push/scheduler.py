@@ -164,7 +164,12 @@ class PushScheduler(SchedulerMode):
 
     def on_new_request(self, request_id: str, params: Mapping[str, Any] | None,
                        num_prompt_tokens: int) -> bool:
-        self._route(request_id, params)
+        """A push prefill request waits for its offer from now on: the requests that arrived
+        together then hold one another back while their offers come in (see
+        :data:`BATCH_WINDOW_S`), also those the scheduler did not consider yet."""
+        r = self._route(request_id, params)
+        if params is not None and r.transfer and not r.decode:
+            self._awaiting(request_id, params, r, num_prompt_tokens)
         return False
 
     def matched_tokens(self, request_id: str, params: Mapping[str, Any] | None,
@@ -276,15 +281,24 @@ class PushScheduler(SchedulerMode):
                     request_id, w.transfer_id, self.offer_lifetime_s)
         return True
 
-    def _prefill_matched(self, request_id: str, params: Mapping[str, Any], r: Route,
-                         num_prompt_tokens: int) -> tuple[int | None, bool]:
-        """A push prefill request waits (None: ask again) until its offer arrived."""
+    def _awaiting(self, request_id: str, params: Mapping[str, Any], r: Route,
+                  num_prompt_tokens: int) -> _Waiting | None:
+        """The push prefill request's wait for its offer, started on first sight (None: its
+        parameters are unusable, it is computed without a transfer)."""
         w = self._waiting.get(request_id)
         if w is None:
             req = self._parse(request_id, params, r, "it is computed without a transfer")
             if req is None:
-                return 0, False
+                return None
             w = self._waiting[request_id] = _Waiting(req.transfer_id, self._clock(), num_prompt_tokens)
+        return w
+
+    def _prefill_matched(self, request_id: str, params: Mapping[str, Any], r: Route,
+                         num_prompt_tokens: int) -> tuple[int | None, bool]:
+        """A push prefill request waits (None: ask again) until its offer arrived."""
+        w = self._awaiting(request_id, params, r, num_prompt_tokens)
+        if w is None:
+            return 0, False
         if w.offer is None:
             with self._lock:
                 got = self._offers.pop(w.transfer_id, None)
@@ -304,8 +318,12 @@ class PushScheduler(SchedulerMode):
         if not w.released:
             now = self._clock()
             burst = now - self._last_offer < BATCH_WINDOW_S and now - w.offer_at < BATCH_CAP_S
-            if burst and any(o.offer is None for rid, o in self._waiting.items() if rid != request_id):
-                return None, False  # more offers of this batch are coming
+            if burst:
+                with self._lock:
+                    coming = any(o.offer is None and o.transfer_id not in self._offers
+                                 for rid, o in self._waiting.items() if rid != request_id)
+                if coming:
+                    return None, False  # more offers of this batch are coming
             w.released = True
         return 0, False
 
