@@ -415,3 +415,17 @@ def test_the_notifications_are_sent_apart_when_an_earlier_write_was_not_seen_com
         monkeypatch.setattr(e.mode, "_all_written", lambda p: False)
     _layered_push_in_two_batches(pair, "m", seed=43)
     assert len(calls) == 2  # one WRITTEN per prefill rank, each sent once
+
+
+def test_carried_notifications_are_not_sent_again_when_poll_sees_the_writes_complete(monkeypatch):
+    """Without background checking (complete_in_background_s 0) the last WRITEs' completion is
+    seen by the worker's notify job or by poll(): neither sends the WRITTEN notices again."""
+    p = Pair(replace(PUSH, complete_in_background_s=0.0), p_spec=replace(P, num_layers=4),
+             d_spec=replace(D, num_layers=4))
+    p.dec.serve()
+    try:
+        calls = _spy_notify(monkeypatch, p.pre)
+        _layered_push_in_two_batches(p, "c", seed=47)
+        assert calls == []
+    finally:
+        p.close()

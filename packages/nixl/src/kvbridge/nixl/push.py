@@ -186,6 +186,9 @@ class PushWrites(PrefillMode):
             if (p.notified or p.finished or p.post_failed or p.asked or not e.peers.is_current(peer)
                     or any(not x.released and e.agent.state(x) != "DONE" for x in xs)):
                 return
+            if p.attached:  # the last WRITEs carried them: NIXL sent them as it saw each done
+                self._notified(p)
+                return
             try:
                 self._notify_all(p)
             except NixlError:  # poll() tries again and fails the push if it must
