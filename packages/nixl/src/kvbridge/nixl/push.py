@@ -180,11 +180,10 @@ class PushWrites(PrefillMode):
         (a vLLM step away: the decode engine would wait for it). Leaves it to ``poll()`` when
         the WRITEs take longer than ``complete_in_background_s`` or anything went wrong."""
         e = self.engine
-        xs = list(p.posted)
-        e.drive(xs)
+        e.drive(list(p.posted))
         with p.lock:
-            if (p.notified or p.finished or p.post_failed or p.asked or not e.peers.is_current(peer)
-                    or any(not x.released and e.agent.state(x) != "DONE" for x in xs)):
+            if (p.notified or p.finished or p.asked or not e.peers.is_current(peer)
+                    or not self._all_written(p)):
                 return
             if p.attached:  # the last WRITEs carried them: NIXL sent them as it saw each done
                 self._notified(p)
