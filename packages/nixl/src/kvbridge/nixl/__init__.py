@@ -43,11 +43,12 @@ from .messages import (
 from .prefill import PrefillEngine
 from .stats import Stats
 from .timeline import LOGGER as TIMELINE_LOGGER
+from .timeline import mark as timeline_mark
 
 __all__ = [
     "AgentConfig", "BlockIds", "DecodeEngine", "DecodeEvents", "DecodeTracker", "EngineConfig",
     "Failed", "FailureKind", "HandshakeFailed", "Kind", "NixlAgent", "NixlError", "Notification",
     "PrefillEngine", "PrefillLedger", "PreparedList", "Released", "Stats", "Telemetry",
     "Transfer", "TransferParams", "TransferRecord", "encode_notification", "engine_compat_hash", "engine_compat_info", "new_token", "notification_key",
-    "parse_notification", "all_cpus", "TIMELINE_LOGGER",
+    "parse_notification", "all_cpus", "TIMELINE_LOGGER", "timeline_mark",
 ]

@@ -39,20 +39,27 @@ class ThreadUsage:
     cpu_s: float = 0.0
     preempted: int = 0  # involuntary switches: the scheduler gave the core to another thread
     waited: int = 0  # voluntary switches: the thread blocked (a lock, I/O, a peer)
+    runnable_s: float = 0.0  # time spent ready to run but waiting for a CPU (Linux)
 
     def __sub__(self, earlier: ThreadUsage) -> ThreadUsage:
         """The usage between ``earlier`` and this reading."""
         return ThreadUsage(self.cpu_s - earlier.cpu_s, self.preempted - earlier.preempted,
-                           self.waited - earlier.waited)
+                           self.waited - earlier.waited, self.runnable_s - earlier.runnable_s)
 
 
 def thread_usage() -> ThreadUsage:
-    """This thread's usage (``getrusage(RUSAGE_THREAD)`` on Linux; CPU time alone elsewhere)."""
+    """This thread's usage (``getrusage(RUSAGE_THREAD)`` and ``/proc/thread-self/schedstat``
+    on Linux; CPU time alone elsewhere)."""
     try:
         ru = resource.getrusage(resource.RUSAGE_THREAD)
     except (AttributeError, OSError):
         return ThreadUsage(time.thread_time(), 0, 0)
-    return ThreadUsage(ru.ru_utime + ru.ru_stime, ru.ru_nivcsw, ru.ru_nvcsw)
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            runnable_s = int(f.read().split()[1]) / 1e9
+    except (OSError, ValueError, IndexError):
+        runnable_s = 0.0
+    return ThreadUsage(ru.ru_utime + ru.ru_stime, ru.ru_nivcsw, ru.ru_nvcsw, runnable_s)
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,9 @@ from .groups import group_arrays, pair_indices
 from .ledger import State
 from .messages import Kind, Notification, encode_notification
 from .modes import DecodeMode, Load, PrefillMode
-from .peers import Peer
+from .peers import Peer, thread_usage
+from .timeline import enabled as timeline_on
+from .timeline import mark
 
 log = logging.getLogger("kvbridge.nixl")
 
@@ -124,6 +126,7 @@ class PullReads(DecodeMode):
         prep = 0.0
         try:
             prep = self._build(ld, peer, parts)
+            w0, u0 = time.perf_counter(), thread_usage() if timeline_on() else None
             for q, x in parts.items():
                 peer.marks.setdefault("posted", time.perf_counter())
                 if e.agent.post(x) == "ERR":
@@ -134,6 +137,11 @@ class PullReads(DecodeMode):
             for q in rp.notify_only_ranks + tuple(q for q in rp.source_ranks if q not in parts):
                 self._notify(peer, q, ld.remote_id, ld.token, Kind.DONE)
             err = None
+            if u0 is not None:  # the posts' wall time, CPU time and time waiting for a CPU
+                u = thread_usage() - u0
+                mark("read_posted", ld.request_id, reads=len(parts), prep_ms=f"{prep / 1e3:.2f}",
+                     post_ms=f"{(time.perf_counter() - w0) * 1e3:.2f}",
+                     post_cpu_ms=f"{u.cpu_s * 1e3:.2f}", runnable_ms=f"{u.runnable_s * 1e3:.2f}")
         except NixlError as exc:  # the peer may be dead or restarted
             err = f"NIXL: {exc}"
         except (ValueError, KeyError) as exc:
@@ -150,6 +158,7 @@ class PullReads(DecodeMode):
         if (isinstance(event, ReadsPosted) and event.error is None
                 and e.config.complete_in_background_s > 0):
             e.drive(event.parts.values())
+            mark("read_checked", ld.request_id)
 
     def _build(self, ld: Load, peer: Peer, parts: dict[int, Transfer]) -> float:
         """Make one READ per source rank (not posted); returns the microseconds it took."""

@@ -1,4 +1,4 @@
-"""An optional event log of each push, for measuring the overlap from the engines' own clocks.
+"""An optional event log of each push and pull, for measuring from the engines' own clocks.
 
 Off by default. With the ``kvbridge.timeline`` logger at INFO (the vLLM connector
 sets it so when the environment has ``KVBRIDGE_TIMELINE=1``), the push mode logs
@@ -14,6 +14,15 @@ pass ended: ``wait_for_save``), ``notified`` (the WRITTEN notifications of a
 layered push were sent). Decode side: ``arrived`` (a WRITTEN notification was
 applied). Request ids are the decode engine's where the push names them.
 ``bench/bench_push.py`` reads these lines.
+
+Pull mode, decode side: ``load_ordered`` (the scheduler ordered a load: its step's orders),
+``load_start`` (the worker took the order), ``read_posted`` (the request's READs
+were posted, with the posts' wall time ``post_ms``, the posting thread's CPU time
+``post_cpu_ms``, in host memory UCX copies in that thread, and ``runnable_ms``, the
+time it was ready to run but waited for a CPU), ``read_checked`` (the posting thread
+saw them complete), ``load_reported`` (the worker reported the request done to vLLM)
+and ``load_seen`` (the scheduler got that report). ``bench/bench_vllm.py`` reads them
+(``bench/load_phases.py``).
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from kvbridge.nixl import TIMELINE_LOGGER
+from kvbridge.nixl import TIMELINE_LOGGER, timeline_mark
 from kvbridge.vllm import shims
 from kvbridge.vllm.cachespec import CacheShapeError
 from kvbridge.vllm.config import (
@@ -108,7 +108,7 @@ def _incarnation(vllm_config: VllmConfig, engine_id: str) -> str:
 
 def _route_logs() -> None:
     """Send kvbridge's log records where vLLM's go (vLLM configures only its own loggers).
-    The push timeline (:mod:`kvbridge.nixl.timeline`) logs only with ``KVBRIDGE_TIMELINE=1``."""
+    The timeline (:mod:`kvbridge.nixl.timeline`) logs only with ``KVBRIDGE_TIMELINE=1``."""
     logging.getLogger(TIMELINE_LOGGER).setLevel(
         logging.INFO if os.environ.get("KVBRIDGE_TIMELINE") == "1" else logging.WARNING)
     ours, theirs = logging.getLogger("kvbridge"), logging.getLogger("vllm")
@@ -275,8 +275,10 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         """Scheduler, once per step after scheduling: this step's orders for every
         worker (loads, holds, releases, renewals; pushes and expectations); resets them."""
-        return KVBridgeConnectorMetadata(self._s().take_orders(shims.step_progress(scheduler_output)),
-                                         idle=shims.step_is_idle(scheduler_output))
+        orders = self._s().take_orders(shims.step_progress(scheduler_output))
+        for ld in getattr(orders, "loads", ()):  # pull: this step orders these loads
+            timeline_mark("load_ordered", ld.request_id)
+        return KVBridgeConnectorMetadata(orders, idle=shims.step_is_idle(scheduler_output))
 
     def has_pending_push_work(self) -> bool:
         """Scheduler, each loop: keep stepping while push offers, writes or releases are
@@ -287,6 +289,8 @@ class KVBridgeConnector(KVConnectorBase_V1, SupportsHMA):
         """Scheduler, with the workers' merged results of a step: forgets the requests
         whose transfer finished."""
         done = set(getattr(connector_output, "finished_recving", None) or ())
+        for rid in done:
+            timeline_mark("load_seen", rid)
         done |= set(getattr(connector_output, "finished_sending", None) or ())
         if done:
             self._s().forget(list(done))

@@ -28,7 +28,7 @@ from typing import Any
 
 from kvbridge.handshake import encode_metadata
 from kvbridge.memory import CacheRegions
-from kvbridge.nixl import DecodeEngine, EngineConfig, PrefillEngine, Stats
+from kvbridge.nixl import DecodeEngine, EngineConfig, PrefillEngine, Stats, timeline_mark
 from kvbridge.topology import BlockIds, EngineSpec, Released
 from kvbridge.vllm.config import EngineRoles
 from kvbridge.vllm.modes import TransferResults, WorkerMode
@@ -208,8 +208,10 @@ class RankEngines(WorkerMode):
         and polls every :data:`IDLE_CHECK_S`, which is when NIXL notifications (push
         mode's WRITTEN and FAILED) are seen. A rank that only
         holds blocks for decode engines (prefill) never waits: measured in pull mode with
-        pinned engines, a prefill engine that waited instead of stepping made the decode
-        engine's forward steps stall for about 100 ms (cause not found; docs/benchmarks.md)."""
+        pinned engines on two cores, a prefill engine that waited instead of stepping let
+        the decode engine's scheduler process sit 100-300 ms in its core's run queue behind
+        the decode worker's spinning main thread while the other core idled, and loads
+        stalled that long (docs/benchmarks.md)."""
         r = self._collect()
         if wait_s <= 0 or not r.empty or not self.idle_waits:
             return r
@@ -242,6 +244,7 @@ class RankEngines(WorkerMode):
             recving.update(ev.done)
             for rid in ev.done:
                 self._loading.pop(rid, None)
+                timeline_mark("load_reported", rid)
             for f in ev.failed:
                 local = self._loading.pop(f.request_id, None)
                 log.warning("kvbridge: request %s failed (%s): %s; its %d local blocks must be "

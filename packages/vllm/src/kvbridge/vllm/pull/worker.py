@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 
-from kvbridge.nixl import DecodeEngine, PrefillEngine
+from kvbridge.nixl import DecodeEngine, PrefillEngine, timeline_mark
 from kvbridge.topology import Released, TransferParams
 from kvbridge.vllm.modes import Orders
 from kvbridge.vllm.params import RemotePrefill
@@ -72,6 +72,7 @@ class PullWorker(RankEngines):
             if dec is None:
                 self._load_failed(ld.request_id, ld.local_block_ids)
                 continue
+            timeline_mark("load_start", ld.request_id)
             try:
                 dec.load(ld.request_id, transfer_params(ld.source), ld.local_block_ids,
                          ld.computed_tokens)
