@@ -48,7 +48,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import statistics
 import sys
 import tempfile
@@ -69,25 +68,16 @@ from e2e_harness import (  # noqa: E402
     transfer_figures,
     transfer_problems,
 )
+from load_phases import timeline  # noqa: E402
 from proc_cpu import process_cpu_s  # noqa: E402
 
 MODES = ("pull", "push-whole", "push-layerwise")
-TIMELINE = re.compile(r"kvbridge-timeline (\w+) (\S+) t=([0-9.]+)(.*)")
 LAYERS_OF_WRITE = 2.0  # target: left after the forward <= this many layers' WRITEs
 
 
 def _ttft_ms(rec: dict[str, Any]) -> float | None:
     t = [o["metrics"]["first_token_latency"] for o in rec["outputs"] if o.get("metrics")]
     return statistics.fmean(t) * 1e3 if t else None
-
-
-def timeline(log: str) -> list[tuple[str, str, float, dict[str, str]]]:
-    """(event, request id, wall-clock time, fields) of every timeline line in ``log``."""
-    out = []
-    for m in TIMELINE.finditer(log):
-        fields = dict(kv.split("=", 1) for kv in m.group(4).split() if "=" in kv)
-        out.append((m.group(1), m.group(2), float(m.group(3)), fields))
-    return out
 
 
 def overlap(prefill_log: str, decode_log: str) -> dict[str, float] | None:

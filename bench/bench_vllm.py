@@ -80,6 +80,7 @@ from e2e_harness import (  # noqa: E402
     transfer_problems,
 )
 from families import FAMILIES, tiny_family_model  # noqa: E402
+from load_phases import PHASES, load_phases, median_phases  # noqa: E402
 from vllm_targets import print_tables  # noqa: E402
 
 DEFAULT_ORDER = ("kvbridge", "kvbridge-step-poll", "nixl", "nixl-host")
@@ -120,7 +121,7 @@ def load_span_s(outputs: list[dict[str, Any]]) -> float | None:
     return (max(s) - min(q)) if q and max(s) > min(q) else None
 
 
-def summarise(run: DisaggRun, label: str) -> dict[str, Any]:
+def summarise(run: DisaggRun, label: str, per_round: int) -> dict[str, Any]:
     rounds = []
     for r, rec in enumerate(run.decode["rounds"]):
         t = _ttfts(rec["outputs"])
@@ -153,6 +154,8 @@ def summarise(run: DisaggRun, label: str) -> dict[str, Any]:
         "steady_wait_ms": statistics.median(waits) if waits else None,
         "first_wait_ms": rounds[0]["queued_to_scheduled_ms"],
         "problems": transfer_problems(run),
+        # kvbridge pull: where the load time went, from the decode engine's timeline
+        "load_phases": median_phases(load_phases(run.decode_log, per_round)[1:]),
     }
 
 
@@ -184,6 +187,14 @@ def print_report(results: list[dict[str, Any]], meta: dict[str, Any]) -> None:
               f"first-request overhead: {_fmt(res['first_request_overhead_ms'], '.1f')} ms")
         if res["problems"]:
             print("  PROBLEMS: " + "; ".join(res["problems"]))
+        ph = res.get("load_phases") or {}
+        if ph.get("total_ms") is not None:
+            print("  where the load time went (decode timeline, median of rounds >= 1):")
+            for key, what in PHASES:
+                print(f"    {ph[key]:7.2f} ms  {what}")
+            if ph["post_cpu_ms"] > 0:
+                print(f"    copy rate while the posting thread ran: "
+                      f"{meta['kv_bytes_per_round'] / (ph['post_cpu_ms'] / 1e3) / 1e9:.2f} GB/s")
 
 
 def rescan(path: Path, names: list[str]) -> int:
@@ -200,7 +211,7 @@ def rescan(path: Path, names: list[str]) -> int:
                             json.loads((d / "decode.json").read_text()),
                             (d / "prefill.log").read_text(errors="replace"),
                             (d / "decode.log").read_text(errors="replace"))
-            results.append(summarise(run, c.label))
+            results.append(summarise(run, c.label, meta["num_prompts"]))
         elif c.label in by_label:
             results.append(by_label[c.label])
     mc = meta.get("memcpy_gbps") or []
@@ -296,8 +307,8 @@ def main(argv: list[str] | None = None) -> int:
                 BENCH_CONNECTORS[name], model, prompts, args.max_tokens, workdir / name,
                 prefill=EngineConfig(tp=args.prefill_tp, cpus=p_cpus,
                                      engine=engine_kw, extra_env=family_env),
-                decode=EngineConfig(tp=args.decode_tp, cpus=d_cpus,
-                                    engine=engine_kw, extra_env=family_env),
+                decode=EngineConfig(tp=args.decode_tp, cpus=d_cpus, engine=engine_kw,
+                                    extra_env={**family_env, "KVBRIDGE_TIMELINE": "1"}),
                 rounds=args.rounds, timings=True, deadline_s=args.deadline_s,
             )
         except EngineFailed as exc:  # keep the other connectors' figures
@@ -306,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
                             "wall_s": time.perf_counter() - t0,
                             "logs": str(workdir / name)})
             continue
-        res = summarise(run, BENCH_CONNECTORS[name].label)
+        res = summarise(run, BENCH_CONNECTORS[name].label, args.num_prompts)
         res["wall_s"] = time.perf_counter() - t0
         results.append(res)
     meta["memcpy_gbps"] = memcpy

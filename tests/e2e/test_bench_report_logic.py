@@ -6,6 +6,8 @@ import sys
 from pathlib import Path
 from types import ModuleType
 
+import pytest
+
 BENCH = str(Path(__file__).resolve().parents[2] / "bench")
 
 
@@ -87,3 +89,30 @@ def test_push_overlap_reads_both_engines_timelines() -> None:
     assert round(o["write_ms"], 3) == 3.0 and o["writes"] == 2
     assert round(o["post_lag_ms"], 3) == 1.5
     assert bp.overlap("no timeline", dec) is None
+
+
+def test_load_phases_split_each_round_from_the_decode_timeline() -> None:
+    lp = _bench("load_phases")
+    lines = []
+    for r, base in ((0, 100.0), (1, 200.0)):  # two rounds of two requests
+        for i, rid in enumerate((f"{2 * r}-x", f"{2 * r + 1}-y")):
+            lines += [f"INFO kvbridge-timeline load_ordered {rid} t={base + 0.001 * i:.6f}",
+                      f"INFO kvbridge-timeline load_start {rid} t={base + 0.002 + 0.001 * i:.6f}",
+                      f"INFO kvbridge-timeline read_posted {rid} t={base + 0.010 + 0.005 * i:.6f} reads=1 "
+                      f"prep_ms=0.10 post_ms=2.00 post_cpu_ms=0.50 runnable_ms=1.25",
+                      f"INFO kvbridge-timeline read_checked {rid} t={base + 0.011 + 0.005 * i:.6f}",
+                      f"INFO kvbridge-timeline load_reported {rid} t={base + 0.020:.6f}",
+                      f"INFO kvbridge-timeline load_seen {rid} t={base + 0.023:.6f}"]
+    rounds = lp.load_phases("\n".join(lines[::-1]) + "\nINFO other", per_round=2)
+    assert len(rounds) == 2
+    r = rounds[1]
+    assert r["to_worker_ms"] == pytest.approx(2.0, abs=1e-3)
+    assert r["posting_ms"] == pytest.approx(13.0, abs=1e-3)  # 200.002 -> 200.015
+    assert (r["post_ms"], r["post_cpu_ms"], r["post_runnable_ms"]) == (4.0, 1.0, 2.5)
+    assert r["to_report_ms"] == pytest.approx(4.0, abs=1e-3)  # last checked 200.016 -> 200.020
+    assert r["to_scheduler_ms"] == pytest.approx(3.0, abs=1e-3)
+    assert r["total_ms"] == pytest.approx(23.0, abs=1e-3)
+    assert lp.median_phases(rounds)["total_ms"] == pytest.approx(23.0, abs=1e-3)
+    # a round whose requests never reported is left out; no timeline, no rounds
+    assert len(lp.load_phases("\n".join(x for x in lines if "200." not in x or "load_seen" not in x), 2)) == 1
+    assert lp.load_phases("nothing here", 2) == []
