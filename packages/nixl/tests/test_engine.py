@@ -113,6 +113,7 @@ def test_handshake_log_says_where_the_worker_threads_time_went(pair, caplog):
     (line,) = [r.getMessage() for r in caplog.records if "handshake with engine" in r.getMessage()]
     m = re.search(r"agents ([0-9.]+) ms, .*agents: load ([0-9.]+) ms, connect ([0-9.]+) ms; worker "
                   r"thread per phase \(metadata/agents/lists\): CPU ([0-9.]+)/([0-9.]+)/([0-9.]+) ms, "
+                  r"waiting for a CPU [0-9.]+/[0-9.]+/[0-9.]+ ms, "
                   r"preempted \d+/\d+/\d+, blocked \d+/\d+/\d+ times", line)
     assert m, line
     agents, load, connect = (float(m.group(i)) for i in (1, 2, 3))

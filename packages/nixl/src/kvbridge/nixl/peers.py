@@ -66,8 +66,9 @@ def thread_usage() -> ThreadUsage:
 class PhaseDetail:
     """Where a handshake's time went on the worker thread, per phase (metadata, agents, lists):
     the agents phase split into loading the metadata and connecting, and per phase the thread's
-    CPU time and how often it was preempted or blocked. Wall time far above CPU time with many
-    preemptions means the core was busy elsewhere; with many waits, the thread was blocked."""
+    CPU time, its time ready to run but waiting for a CPU, and how often it was preempted or
+    blocked. Wall time far above CPU time with a long wait for a CPU means the cores were busy
+    elsewhere; with neither, the thread was blocked (a lock, I/O, a peer)."""
 
     load_ms: float = 0.0
     connect_ms: float = 0.0
@@ -76,10 +77,12 @@ class PhaseDetail:
 
     def __str__(self) -> str:
         cpu = "/".join(f"{u.cpu_s * 1e3:.1f}" for u in self.usage)
+        ready = "/".join(f"{u.runnable_s * 1e3:.1f}" for u in self.usage)
         pre = "/".join(str(u.preempted) for u in self.usage)
         wait = "/".join(str(u.waited) for u in self.usage)
         return (f"agents: load {self.load_ms:.1f} ms, connect {self.connect_ms:.1f} ms; worker thread "
-                f"per phase (metadata/agents/lists): CPU {cpu} ms, preempted {pre}, blocked {wait} times")
+                f"per phase (metadata/agents/lists): CPU {cpu} ms, waiting for a CPU {ready} ms, "
+                f"preempted {pre}, blocked {wait} times")
 
 
 @dataclass(eq=False)
