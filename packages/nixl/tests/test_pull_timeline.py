@@ -27,8 +27,8 @@ def _events(caplog) -> list[tuple[str, str, float, dict[str, str]]]:
     return out
 
 
-def test_a_pull_logs_its_posting_and_completion_with_the_posts_cpu_figures(caplog):
-    caplog.set_level(logging.INFO, logger=TIMELINE_LOGGER)
+def _pull_one() -> None:
+    """Request "a" read from a TP 2 prefill engine by a TP 1 decode engine, to completion."""
     pair = Pair()
     try:
         pair.dec.load("a", pair.hold("a", [3, 1]), ([9, 10],))
@@ -36,6 +36,11 @@ def test_a_pull_logs_its_posting_and_completion_with_the_posts_cpu_figures(caplo
     finally:
         pair.close()
     assert done == ["a"] and not failed
+
+
+def test_a_pull_logs_its_posting_and_completion_with_the_posts_cpu_figures(caplog):
+    caplog.set_level(logging.INFO, logger=TIMELINE_LOGGER)
+    _pull_one()
     ev = {e: (t, f) for e, rid, t, f in _events(caplog) if rid == "a"}
     assert set(ev) == {"read_posted", "read_checked"}
     t_posted, fields = ev["read_posted"]
@@ -48,13 +53,7 @@ def test_a_pull_logs_its_posting_and_completion_with_the_posts_cpu_figures(caplo
 
 def test_nothing_is_logged_with_the_timeline_off(caplog):
     caplog.set_level(logging.WARNING, logger=TIMELINE_LOGGER)
-    pair = Pair()
-    try:
-        pair.dec.load("a", pair.hold("a", [3, 1]), ([9, 10],))
-        done, _, _ = pair.run(lambda d, f, r: d == ["a"] and len(r) == 2)
-    finally:
-        pair.close()
-    assert done == ["a"]
+    _pull_one()
     timeline_mark("load_start", "b")  # off: a no-op
     assert _events(caplog) == []
 
