@@ -93,6 +93,11 @@ class EngineConfig:
     #: the block id that stands for "no block" in SLIDING and MAMBA groups' block lists (vLLM's
     #: null block is 0), on both engines; None: every id is a real block
     null_block_id: int | None = None
+    #: pull mode, host memory: MiB of registered staging buffer on each decode rank (0: none).
+    #: A READ whose pieces are scattered locally but adjacent on the prefill side (heads split
+    #: between prefill ranks) is read into it in a few large descriptors and then copied into
+    #: place (:mod:`kvbridge.nixl.staging`); READs that do not fit go directly into the cache
+    staging_mib: int = 128
 
     def __post_init__(self) -> None:
         if self.null_block_id is not None and (
@@ -122,6 +127,10 @@ class EngineConfig:
                 raise ValueError(f"{name} must be within [0, 1] seconds, got {getattr(self, name)!r}")
         if not 0 <= self.gil_handoff_s <= 0.01:
             raise ValueError(f"gil_handoff_s must be within [0, 0.01] seconds, got {self.gil_handoff_s!r}")
+        if isinstance(self.staging_mib, bool) or not isinstance(self.staging_mib, int) or not (
+                0 <= self.staging_mib <= 1 << 20):
+            raise ValueError(f"staging_mib must be a whole number of MiB within [0, 1048576] (0: no "
+                             f"staging), got {self.staging_mib!r}")
         if not 0 <= self.busy_after_poll_s <= 3600:
             raise ValueError(f"busy_after_poll_s must be within [0, 3600] seconds, got "
                              f"{self.busy_after_poll_s!r}")

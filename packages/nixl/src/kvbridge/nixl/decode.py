@@ -25,6 +25,7 @@ from kvbridge.topology import (
     plan_transfer,
 )
 
+from .agent import Transfer
 from .groups import flat_ids, group_arrays
 from .ledger import DecodeTracker, State
 from .modes import DecodeMode, Load
@@ -32,6 +33,7 @@ from .peers import Peer
 from .pull import PullReads
 from .push_receive import PushReceiver
 from .rank import RankEngine
+from .staging import Staged, StagingArea, worth_staging
 
 log = logging.getLogger("kvbridge.nixl")
 
@@ -49,6 +51,10 @@ class DecodeEngine(RankEngine):
         self._loads: dict[str, Load] = {}
         self._silent: set[str] = set()  # releases: notify-only loads nobody waits for
         self.mode: DecodeMode = _MODES[self.config.mode](self)
+        #: pull mode, host memory: the buffer staged READs land in, made at the first handshake
+        #: whose READs it serves (None: not made)
+        self.staging: StagingArea | None = None
+        self._staged_orphans: list[tuple[Transfer, Staged]] = []  # freed once NIXL releases them
 
     # ----- planning hooks ---------------------------------------------------
     def _busy(self) -> bool:
@@ -67,8 +73,16 @@ class DecodeEngine(RankEngine):
         return list(rp.handshake_ranks), list(rp.source_ranks)
 
     def _descriptors(self, peer: Peer, q: int, plan: TransferPlan):
-        return rank_descriptors(self.rank_plan(plan), q, self.geometry,
-                                self._remote_geometry(peer, q)), True
+        rd = rank_descriptors(self.rank_plan(plan), q, self.geometry, self._remote_geometry(peer, q))
+        c = self.config
+        if (self.staging is None and c.mode == "pull" and c.mem_type == "DRAM" and c.staging_mib
+                and worth_staging(rd.local_rows, rd.remote_rows)):  # worker thread, in the handshake
+            geo = self.geometry
+            staging = StagingArea(c.staging_mib << 20, list(zip(geo.base_addrs, geo.region_sizes, strict=True)),
+                                  huge_pages=c.huge_pages)
+            self.agent.register(staging.descs(), "DRAM")
+            self.staging = staging
+        return rd, True
 
     # ----- public API -------------------------------------------------------
     def load(self, request_id: str, params: TransferParams, local_block_ids: BlockIds,
@@ -160,6 +174,7 @@ class DecodeEngine(RankEngine):
             if mine:
                 self._drain_events()
                 self._release_transfers()
+                self._reap_staging()
                 self.mode.advance()
                 now = time.monotonic()
                 for t in self.tracker.overdue(now):
@@ -212,6 +227,8 @@ class DecodeEngine(RankEngine):
         ld = self._loads.pop(rid, None)
         if ld is not None:
             self.drop_transfers(ld.transfers.values())
+            self.unstage({q: ld.transfers.get(q) for q in ld.staged}, ld.staged)
+            ld.staged.clear()
             ld.transfers.clear()
         if rid in self.tracker:
             self.tracker.fail(rid, kind, message)
@@ -224,6 +241,12 @@ class DecodeEngine(RankEngine):
         """
         rid = ld.request_id
         t = self.tracker.get(rid)
+        try:
+            if not self._staged_in_place(ld, part):
+                return  # the copy thread is still copying: checked again on the next poll()
+        except Exception as exc:  # noqa: BLE001 - a failed copy leaves garbage: recompute
+            self.fail(rid, FailureKind.POST, f"copying staged blocks into place failed: {exc}")
+            return
         if t is None or t.state is not State.POSTED or part not in t.outstanding:
             return
         if len(t.outstanding) == 1:  # the last part: rearrange before anyone sees "done"
@@ -234,6 +257,63 @@ class DecodeEngine(RankEngine):
                 return
         if self.tracker.part_done(rid, part):
             self._loads.pop(rid, None)
+
+    def _staged_in_place(self, ld: Load, part: int) -> bool:
+        """Whether ``part``'s pieces are in place (its READ complete): True when it was not
+        staged or its copy is done (copied here if nobody took it), False while the copy
+        thread copies it (``ld.copying``). Raises what the copy raised."""
+        st = ld.staged.get(part)
+        if st is None:
+            return True
+        if self.staging.claim(st):
+            t = self.tracker.get(ld.request_id)
+            if t is not None and t.state is State.POSTED:
+                self.staging.scatter(st)
+        elif st.future is None or not st.future.done():
+            ld.copying.add(part)
+            return False
+        ld.staged.pop(part)
+        ld.copying.discard(part)
+        self.staging.free(st)
+        self.stats.staged_copy_us += st.copy_us
+        if st.future is not None:
+            st.future.result()
+        return True
+
+    def unstage(self, transfers: dict[int, Transfer | None], staged: dict[int, Staged]) -> None:
+        """Free the staging bytes of READs given up: at once where the READ is released (or
+        never existed), else once NIXL releases it (checked on every ``poll()``)."""
+        for q, st in staged.items():
+            x = transfers.get(q)
+            if not self.staging.claim(st) and st.future is not None:
+                st.future.exception()  # a copy under way ends before its blocks are given up
+            if x is None or x.released:
+                self.staging.free(st)
+            else:
+                self._staged_orphans.append((x, st))
+
+    def _reap_staging(self) -> None:
+        if self._staged_orphans:
+            keep = []
+            for x, st in self._staged_orphans:
+                if x.released:
+                    self.staging.free(st)
+                else:
+                    keep.append((x, st))
+            self._staged_orphans = keep
+
+    def resource_counts(self) -> dict[str, int]:
+        """:meth:`RankEngine.resource_counts`, with the staging buffer's prepared lists (one per
+        piece size, kept while the engine lives) as ``staging_lists`` instead of in ``lists``."""
+        c = super().resource_counts()
+        c["staging_lists"] = self.staging.lists if self.staging is not None else 0
+        c["lists"] -= c["staging_lists"]
+        return c
+
+    def close(self) -> None:
+        super().close()
+        if self.staging is not None:
+            self.staging.close()
 
     def _post_process(self, ld: Load) -> None:
         """Rearrange a completed request's blocks in place when the plan says so

@@ -18,6 +18,7 @@ from kvbridge.topology import Released, TransferParams
 from .agent import Transfer
 from .peers import Peer
 from .rank import RankEngine
+from .staging import Staged
 
 
 @dataclass(eq=False)
@@ -37,6 +38,10 @@ class Load:
     queued_for: Peer | None = None
     #: the local block ids of every KV-cache group (``local_ids``: all of them, nulls left out)
     groups: tuple[np.ndarray, ...] = ()
+    #: pull: the READs (by source rank) that land in the staging buffer (kvbridge.nixl.staging)
+    staged: dict[int, Staged] = field(default_factory=dict)
+    #: pull: source ranks whose READ completed while the copy thread still copies it into place
+    copying: set[int] = field(default_factory=set)
 
     @property
     def remote_id(self) -> str:

@@ -29,6 +29,7 @@ from .ledger import State
 from .messages import Kind, Notification, encode_notification
 from .modes import DecodeMode, Load, PrefillMode
 from .peers import Peer, thread_usage
+from .staging import Staged
 from .timeline import enabled as timeline_on
 from .timeline import mark
 
@@ -47,13 +48,15 @@ class ReadsSkipped:
 @dataclass(frozen=True, eq=False)
 class ReadsPosted:
     """Worker event: ``load``'s READs from ``peer``, one per source rank in ``parts``, were
-    posted (``error`` None) or failed to post; ``prep_us``: block ids to READs ready."""
+    posted (``error`` None) or failed to post; ``prep_us``: block ids to READs ready;
+    ``staged``: the READs (by source rank) that land in the staging buffer."""
 
     load: Load
     peer: Peer
     parts: dict[int, Transfer]
     error: str | None
     prep_us: float
+    staged: dict[int, Staged]
 
 
 class PullReads(DecodeMode):
@@ -123,9 +126,10 @@ class PullReads(DecodeMode):
             return ReadsSkipped(ld, peer)
         t0 = time.perf_counter()
         parts: dict[int, Transfer] = {}
+        staged: dict[int, Staged] = {}
         prep = 0.0
         try:
-            prep = self._build(ld, peer, parts)
+            prep = self._build(ld, peer, parts, staged)
             w0, u0 = time.perf_counter(), thread_usage() if timeline_on() else None
             for q, x in parts.items():
                 peer.marks.setdefault("posted", time.perf_counter())
@@ -148,7 +152,10 @@ class PullReads(DecodeMode):
             err = str(exc) or type(exc).__name__
         except Exception as exc:  # the worker must survive anything
             err = f"{type(exc).__name__}: {exc}"
-        return ReadsPosted(ld, peer, parts, err, prep if prep else (time.perf_counter() - t0) * 1e6)
+        for q in set(staged) - set(parts):  # planned, but building its READ failed
+            e.staging.free(staged.pop(q))
+        return ReadsPosted(ld, peer, parts, err, prep if prep else (time.perf_counter() - t0) * 1e6,
+                           staged)
 
     def _post_and_drive(self, ld: Load, peer: Peer) -> None:
         """Worker thread: post ``ld``'s READs, report them, then check them until they complete."""
@@ -159,9 +166,13 @@ class PullReads(DecodeMode):
                 and e.config.complete_in_background_s > 0):
             e.drive(event.parts.values())
             mark("read_checked", ld.request_id)
+            for q, st in event.staged.items():  # copy completed staged READs beside the next ones
+                if event.parts[q].done:
+                    e.staging.copy_soon(st)
 
-    def _build(self, ld: Load, peer: Peer, parts: dict[int, Transfer]) -> float:
-        """Make one READ per source rank (not posted); returns the microseconds it took."""
+    def _build(self, ld: Load, peer: Peer, parts: dict[int, Transfer], staged: dict[int, Staged]) -> float:
+        """Make one READ per source rank (not posted), into the staging buffer where that pays
+        (recorded in ``staged``); returns the microseconds it took."""
         e = self.engine
         t0 = time.perf_counter()
         rp = e.rank_plan(peer.plan)
@@ -177,7 +188,14 @@ class PullReads(DecodeMode):
                                   null=e.config.null_block_id)
             if li.size == 0:  # nothing to read from q (full prefix hit, null blocks): notified
                 continue
-            parts[q] = e.agent.make_transfer("READ", peer.local_lists[q], li, peer.remote_lists[q], ri, msg)
+            rd = peer.descs[q]
+            st = e.staging.plan(rd.local_rows, rd.remote_rows, li, ri) if e.staging is not None else None
+            if st is None:
+                parts[q] = e.agent.make_transfer("READ", peer.local_lists[q], li, peer.remote_lists[q], ri, msg)
+                continue
+            staged[q] = st
+            parts[q] = e.agent.make_transfer("READ", e.staging.slot_list(e.agent, st.piece), st.slots,
+                                             peer.remote_lists[q], ri, msg)
         return (time.perf_counter() - t0) * 1e6
 
     def _notify(self, peer: Peer, q: int, remote_id: str, token: str, kind: Kind) -> None:
@@ -224,10 +242,14 @@ class PullReads(DecodeMode):
         if e.load_of(rid) is not ld or ld.queued_for is not peer or t is None or t.state is not State.READY:
             # failed, timed out or moved to another peer meanwhile
             e.drop_transfers(parts.values())
+            if event.staged:
+                e.unstage(parts, event.staged)
             return
         e.stats.prep_us += int(event.prep_us)
         e.stats.posts += 1
+        e.stats.staged_reads += len(event.staged)
         ld.transfers.update(parts)
+        ld.staged.update(event.staged)
         if err is not None:
             e.fail(rid, FailureKind.POST, err)
             if err.startswith("NIXL: ") and peer.state == "ready":
@@ -247,6 +269,10 @@ class PullReads(DecodeMode):
             rid = ld.request_id
             t = e.tracker.get(rid)
             if t is None or t.state is not State.POSTED:
+                continue
+            for q in list(ld.copying):  # completed READs the copy thread was copying into place
+                e.part_done(ld, q)
+            if e.load_of(rid) is not ld:
                 continue
             done, bad = e.sweep(ld.transfers, ld.peer.engine_id)
             for q in done:

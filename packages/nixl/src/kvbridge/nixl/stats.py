@@ -15,6 +15,8 @@ class Stats:
     bytes: int = 0
     descriptors: int = 0  # NIXL telemetry: descriptors after NIXL merged adjacent ones
     descriptors_posted: int = 0  # descriptors kvbridge handed to NIXL (index entries, before merging)
+    staged_reads: int = 0  # READs landed in the staging buffer and copied into place
+    staged_copy_us: int = 0  # time spent copying staged READs into place
     posts: int = 0  # requests whose transfers were built and posted
     prep_us: int = 0  # kvbridge time from block ids to transfers ready to post
     post_us: int = 0  # NIXL telemetry: time spent posting

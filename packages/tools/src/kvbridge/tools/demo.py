@@ -38,6 +38,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                         "(VRAM; rank r on cuda:r %% GPUs); the baseline is then a GPU copy")
     p.add_argument("--ranks-per-process", type=int, default=1, metavar="N",
                    help="TP ranks per engine process (default 1: one process per rank)")
+    p.add_argument("--staging-mib", type=int, default=EngineConfig.staging_mib, metavar="MIB",
+                   help="pull, host memory: each decode rank's staging buffer for READs whose pieces "
+                        f"are scattered locally (0: read every piece into place; default "
+                        f"{EngineConfig.staging_mib})")
 
 
 def _config(args: argparse.Namespace) -> EngineConfig:
@@ -45,6 +49,7 @@ def _config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(agent=agent_config(args, tuple(b.strip() for b in args.backends.split(",") if b.strip())),
                         mode=args.mode, handshake_timeout_s=20.0, transfer_timeout_s=120.0,
                         mem_type="VRAM" if args.device == "cuda" else "DRAM",
+                        staging_mib=args.staging_mib,
                         null_block_id=NULL if getattr(args, "mamba", False) else None)
 
 
@@ -222,7 +227,10 @@ def _report(args, run: dict, prefill, decode) -> int:
     print(f"first request, alone (handshake + lists + transfer): {run['first_ms']:.1f} ms")
     # NIXL telemetry counts the descriptors left after merging adjacent ones (0: telemetry off)
     merged = f"; NIXL merged them into {xs.descriptors}" if xs.descriptors else ""
-    print(f"in all: {xs.transfers} NIXL transfers ({xs.descriptors_posted} descriptors posted{merged})")
+    staged = (f", {xs.staged_reads} of them staged (copied into place in "
+              f"{xs.staged_copy_us / 1e3:.1f} ms)" if xs.staged_reads else "")
+    print(f"in all: {xs.transfers} NIXL transfers{staged} ({xs.descriptors_posted} descriptors "
+          f"posted{merged})")
     role = "decode" if args.mode == "pull" else "prefill"
     start = "load()" if args.mode == "pull" else "expect()"
     print(f"batch: {args.requests} requests submitted together to every rank, {moved / 2**20:.1f} MiB, "
