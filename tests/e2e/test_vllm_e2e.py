@@ -206,3 +206,9 @@ def test_heterogeneous_tp_prefill_tp2_decode_tp1_matches_baseline(
     for params in run.transfer_params():
         assert params.get("tp_size", 2) == 2, params
     _check_clean_transfer(run, prompts, kv_heads=4)
+    # each prefill rank holds half of a decode block's heads: READs went through the staging
+    # buffer (kvbridge.nixl.staging) and the tokens above prove the copy into place
+    if run.connector.kv_connector == "KVBridgeConnector":
+        name = "vllm:kvbridge_num_staged_reads"
+        end = run.decode.get("metrics_end") or run.decode["rounds"][-1]["metrics"]
+        assert metric_total(end, name) - metric_total(run.decode.get("metrics_start", []), name) > 0

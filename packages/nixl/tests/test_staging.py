@@ -77,7 +77,7 @@ def test_plans_that_would_not_pay_are_refused():
     assert area.plan(scattered, _rows([1 << 40, 1024, 0, 4096, 32]), idx, idx) is None  # no gain
     odd = _rows([base + 512, 1024, 0, 2048, 31])  # pieces not aligned to their size
     assert area.plan(odd, _rows([1 << 40, 1024, 0, 1024, 31]), idx, idx) is None
-    assert area.plan(scattered, _rows([1 << 40, 1024, 0, 1024, 32]), idx[:2], idx[:2]) is None  # too few
+    assert area.plan(scattered, _rows([1 << 40, 1024, 0, 1024, 32]), idx[:1], idx[:1]) is None  # too few
     assert area.bytes_in_use == 0
 
 

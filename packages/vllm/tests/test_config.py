@@ -87,8 +87,12 @@ def test_bad_env_value_names_the_variable() -> None:
 def test_env_strings_are_parsed_per_type() -> None:
     cfg = parse_connector_config(
         {}, env={"KVBRIDGE_BACKENDS": "UCX, POSIX", "KVBRIDGE_ENFORCE_COMPAT": "no",
-                 "KVBRIDGE_HEARTBEAT_SECONDS": "2.5", "KVBRIDGE_HUGE_PAGES": "0"},
+                 "KVBRIDGE_HEARTBEAT_SECONDS": "2.5", "KVBRIDGE_HUGE_PAGES": "0",
+                 "KVBRIDGE_STAGING_MIB": "64"},
     )
+    assert cfg.staging_mib == 64 and parse_connector_config({}, env={}).staging_mib == 128
+    with pytest.raises(ConfigError, match="KVBRIDGE_STAGING_MIB"):
+        parse_connector_config({}, env={"KVBRIDGE_STAGING_MIB": "-1"})
     assert cfg.backends == ("UCX", "POSIX")
     assert cfg.enforce_compat is False
     assert cfg.huge_pages is False and parse_connector_config({}, env={}).huge_pages is True

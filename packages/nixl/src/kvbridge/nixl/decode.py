@@ -82,6 +82,9 @@ class DecodeEngine(RankEngine):
                                   huge_pages=c.huge_pages)
             self.agent.register(staging.descs(), "DRAM")
             self.staging = staging
+            log.info("rank %d: %d MiB staging buffer registered: READs from engine %s rank %d have "
+                     "pieces scattered here and adjacent there", self.rank, c.staging_mib,
+                     peer.engine_id, q)
         return rd, True
 
     # ----- public API -------------------------------------------------------

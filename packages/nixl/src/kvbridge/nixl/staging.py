@@ -34,9 +34,9 @@ from kvbridge.memory import advise_huge_pages
 
 from .agent import NixlAgent, PreparedList
 
-#: stage a READ only when merging on the remote side needs this many times fewer
+#: stage a READ only when merging on the remote side needs at least this many times fewer
 #: descriptors than reading into place (each staged byte is copied twice)
-MIN_GAIN = 4
+MIN_GAIN = 2
 
 
 def desc_addresses(rows: np.ndarray, idx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

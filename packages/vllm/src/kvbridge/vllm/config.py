@@ -48,6 +48,7 @@ class ConnectorConfig:
     ucx_threads: int = 1
     progress_thread: bool = True
     huge_pages: bool = True
+    staging_mib: int = 128
     complete_in_background: bool = True
     gil_handoff_us: int = 200
     idle_wait_us: int = 1000
@@ -125,6 +126,11 @@ CONFIG_KEYS: tuple[ConfigKey, ...] = (
     ConfigKey("huge_pages", ("KVBRIDGE_HUGE_PAGES",),
               "back host-memory KV caches with transparent huge pages before registering them "
               "(host READs run faster; no effect on GPU caches)"),
+    ConfigKey("staging_mib", ("KVBRIDGE_STAGING_MIB",),
+              "pull mode, host memory: MiB of staging buffer per decode rank; READs whose pieces "
+              "are scattered here but adjacent on the prefill side (heads split between prefill "
+              "ranks) land in it in a few large descriptors and are then copied into place; 0: "
+              "none"),
     ConfigKey("complete_in_background", ("KVBRIDGE_COMPLETE_IN_BACKGROUND",),
               "decode: the worker thread that posts a request's READs checks them until they "
               "complete (else only the once-per-step poll does, and large host READs advance "
@@ -295,6 +301,7 @@ _PARSERS: dict[str, Callable[[str, Any, str | None], Any]] = {
     "push_layerwise": _bool,
     "transfer_cpus": _cpus,
     "huge_pages": _bool,
+    "staging_mib": lambda k, v, e: _int(k, v, e, lo=0, hi=1 << 20),
     "complete_in_background": _bool,
     "warm_up": _bool,
     "gil_handoff_us": lambda k, v, e: _int(k, v, e, lo=0, hi=10_000),

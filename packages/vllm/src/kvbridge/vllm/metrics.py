@@ -96,6 +96,9 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
                                              "token, malformed or without a valid proof."),
             "requests_done": counter("vllm:kvbridge_num_requests_done",
                                      "Decode-side requests whose KV arrived (per worker)."),
+            "staged_reads": counter("vllm:kvbridge_num_staged_reads",
+                                    "READs landed in the decode worker's staging buffer and "
+                                    "copied into place (pieces scattered locally)."),
             "requests_without_params": counter(
                 "vllm:kvbridge_num_requests_without_params",
                 "Requests a decode (kv_consumer or kv_both) engine got without "
@@ -113,6 +116,6 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
         if failed:
             self._counters["failed"][engine_idx].inc(failed)
         for key in ("failed_handshakes", "expired_leases", "ignored_notifications", "requests_done",
-                    "requests_without_params"):
+                    "requests_without_params", "staged_reads"):
             if d.get(key):
                 self._counters[key][engine_idx].inc(int(d[key]))

@@ -115,6 +115,7 @@ def engine_config(cfg: ConnectorConfig, *, mem_type: str, model: str,
         transfer_timeout_s=cfg.transfer_timeout_seconds, mem_type=mem_type,
         model=model, attention_backend=attention_backend, enforce_compat=cfg.enforce_compat,
         record_transfers=True, huge_pages=cfg.huge_pages, auth_key=cfg.auth_key,
+        staging_mib=cfg.staging_mib,
         worker_cpus=(all_cpus() if cfg.transfer_cpus == "all" else
                      None if cfg.transfer_cpus == "inherit" else tuple(cfg.transfer_cpus)),
         complete_in_background_s=0.5 if cfg.complete_in_background else 0.0,

@@ -32,7 +32,7 @@ OBSERVATIONS = ("transfer_duration", "post_duration", "bytes_transferred", "num_
 #: int-valued keys: counts over the interval
 COUNTS = ("requests_done", "requests_failed", "failed_handshakes", "failed_transfers",
           "failed_posts", "failed_timeouts", "expired_leases", "released_requests",
-          "ignored_notifications", "renewed_leases", "requests_without_params")
+          "ignored_notifications", "renewed_leases", "requests_without_params", "staged_reads")
 
 
 def empty_stats() -> dict[str, Any]:
@@ -113,6 +113,7 @@ def stats_delta(now: Stats, before: Stats) -> dict[str, int]:
         "ignored_notifications": diff("notifications_unknown") + diff("notifications_bad_token")
         + diff("notifications_malformed") + diff("notifications_unauthenticated"),
         "renewed_leases": diff("leases_renewed"),
+        "staged_reads": diff("staged_reads"),
     }
 
 
