@@ -96,6 +96,26 @@ def test_scatter_puts_every_piece_in_place_in_any_order():
     assert int(region.sum()) == int(payload.sum())  # nothing written anywhere else
 
 
+def test_a_copy_is_claimed_once_and_a_handed_over_copy_runs_on_the_copy_thread():
+    area, region = _area()
+    base = region.ctypes.data
+    rows_l, rows_r = _rows([base, 1024, 0, 2048, 32]), _rows([1 << 40, 1024, 0, 1024, 32])
+    idx = np.arange(8, dtype=np.int32)
+    st = area.plan(rows_l, rows_r, idx, idx)
+    area.buffer[st.offset:st.offset + 8 * 1024] = 7
+    area.copy_soon(st)
+    assert st.claimed and st.future is not None
+    st.future.result(timeout=10)
+    assert not area.claim(st)  # the caller finds it taken
+    area.copy_soon(st)  # a second hand-over does nothing
+    assert all((region[i * 2048:i * 2048 + 1024] == 7).all() for i in range(8))
+    other = area.plan(rows_l, rows_r, idx, idx)
+    assert area.claim(other) and not area.claim(other)
+    area.copy_soon(other)
+    assert other.future is None  # claimed by the caller first: never handed over
+    area.close()
+
+
 def _pull(pair, rid, p_blocks, d_blocks, seed):
     pair.dec.load(rid, pair.hold(rid, p_blocks, seed=seed), (d_blocks,))
     return pair.run(lambda d, f, r: rid in d or f)
@@ -116,6 +136,25 @@ def test_a_heads_split_pull_is_staged_merged_and_every_byte_lands():
         done, failed, _ = _pull(pair, "b", [7, 8, 2, 1], [4, 5, 6, 7], seed=6)
         assert done == ["b"] and not failed and s.staged_reads == 2
         assert pair.dc.verify(logical_kv(P, 6, 64), [4, 5, 6, 7], 0, 64) == 0
+    finally:
+        pair.close()
+
+
+@pytest.mark.parametrize("background", [True, False], ids=["copy-thread", "poll"])
+def test_both_copy_paths_put_every_byte_in_place(background):
+    """The worker saw the READ complete (the copy thread copies) or only ``poll()`` did
+    (``complete_in_background_s=0``: the caller copies)."""
+    pair = Pair(replace(CFG, complete_in_background_s=0.5 if background else 0.0))
+    try:
+        for k in range(3):
+            blocks = [[9, 10, 11, 12], [4, 5, 6, 7], [12, 13, 14, 15]][k]
+            done, failed, _ = _pull(pair, f"r{k}", [3, 4, 5, 6], blocks, seed=10 + k)
+            assert done == [f"r{k}"] and not failed
+            assert pair.dc.verify(logical_kv(P, 10 + k, 64), blocks, 0, 64) == 0
+        assert pair.dec.stats.staged_reads == 6
+        if not background:  # nobody but poll() saw the READs complete: no copy thread
+            assert pair.dec.staging._copier is None
+        assert pair.dec.staging.bytes_in_use == 0
     finally:
         pair.close()
 
