@@ -84,6 +84,19 @@ def test_pull_matrix(kw):
             assert stats.notifications_received == 3 * c.plan.prefill_ranks[rank].notifications_per_request
 
 
+@pytest.mark.parametrize("kw", [dict(prefill_tp=4, decode_tp=2), dict(prefill_tp=2, decode_tp=1)],
+                         ids=["P4-D2", "P2-D1"])
+def test_staged_reads_deliver_every_byte_across_processes(kw):
+    """With a staging buffer, heads-split READs land in it and are copied into place in every
+    decode rank's process; the contiguous request's READs are staged."""
+    p, d = spec_pair(head_dim=16, layers=2, **kw)
+    with Cluster(p, d, num_blocks=NB, config=EngineConfig(staging_mib=8)) as c:
+        _run(c, _standard_cases(p.block_size, d.block_size))
+        for rank, (stats, counts) in c.rank_stats(c.decode).items():
+            assert stats.staged_reads > 0 and stats.requests_done == 3, rank
+            assert counts["transfers"] == 0 and counts["staging_lists"] >= 1
+
+
 def test_partial_prefix_hit_reads_only_missing_blocks():
     p, d = spec_pair(prefill_tp=2, decode_tp=2, head_dim=16, layers=2)
     with Cluster(p, d, num_blocks=NB) as c:

@@ -82,8 +82,12 @@ class Engines:
         self.p_dummy = EngineDef("prefill-kv2-dummy", kv2, "prefill", c,
                                  replace(TP1, engine={"load_format": "dummy"}))
         self.d_tp2 = EngineDef("decode-kv2-tp2", kv2, "decode", c, TP2)
-        self.p4_tp2 = EngineDef("prefill-kv4-tp2", kv4, "prefill", c, TP2)
-        self.d4 = EngineDef("decode-kv4", kv4, "decode", c, TP1)
+        # kvbridge: the decode engine gets a staging buffer (kvbridge.nixl.staging), which the
+        # TP 2 prefill engine's heads split calls on (a pair shares one connector setting)
+        staged = (replace(c, extra_config={**c.extra_config, "staging_mib": 128})
+                  if c.kv_connector == "KVBridgeConnector" else c)
+        self.p4_tp2 = EngineDef("prefill-kv4-tp2", kv4, "prefill", staged, TP2)
+        self.d4 = EngineDef("decode-kv4", kv4, "decode", staged, TP1)
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,8 @@ from kvbridge.tools.synthetic_cache import logical_kv
 
 pytestmark = pytest.mark.timeout(120)
 
+STAGED = replace(CFG, staging_mib=128)
+
 
 def _rows(*rows):
     return np.array(rows, dtype=np.uint64)
@@ -122,7 +124,7 @@ def _pull(pair, rid, p_blocks, d_blocks, seed):
 
 
 def test_a_heads_split_pull_is_staged_merged_and_every_byte_lands():
-    pair = Pair()
+    pair = Pair(STAGED)
     try:
         done, failed, _ = _pull(pair, "a", [3, 4, 5, 6], [9, 10, 11, 12], seed=5)
         s = pair.dec.stats
@@ -144,7 +146,7 @@ def test_a_heads_split_pull_is_staged_merged_and_every_byte_lands():
 def test_both_copy_paths_put_every_byte_in_place(background):
     """The worker saw the READ complete (the copy thread copies) or only ``poll()`` did
     (``complete_in_background_s=0``: the caller copies)."""
-    pair = Pair(replace(CFG, complete_in_background_s=0.5 if background else 0.0))
+    pair = Pair(replace(STAGED, complete_in_background_s=0.5 if background else 0.0))
     try:
         for k in range(3):
             blocks = [[9, 10, 11, 12], [4, 5, 6, 7], [12, 13, 14, 15]][k]
@@ -160,8 +162,8 @@ def test_both_copy_paths_put_every_byte_in_place(background):
 
 
 def test_without_staging_every_piece_is_its_own_descriptor():
-    """Negative control: the same pull with ``staging_mib=0`` makes no staging buffer."""
-    pair = Pair(replace(CFG, staging_mib=0))
+    """Negative control: the same pull with the default ``staging_mib=0`` makes no staging buffer."""
+    pair = Pair(CFG)
     try:
         done, failed, _ = _pull(pair, "a", [3, 4, 5, 6], [9, 10, 11, 12], seed=5)
         s = pair.dec.stats
@@ -174,7 +176,7 @@ def test_without_staging_every_piece_is_its_own_descriptor():
 
 def test_the_copy_into_place_is_what_puts_the_bytes_there(monkeypatch):
     """Negative control: with the copy skipped, the staged bytes never reach the cache."""
-    pair = Pair()
+    pair = Pair(STAGED)
     try:
         _pull(pair, "warm", [1], [1], seed=2)
         monkeypatch.setattr(pair.dec.staging, "scatter", lambda st: None)
@@ -186,7 +188,7 @@ def test_the_copy_into_place_is_what_puts_the_bytes_there(monkeypatch):
 
 
 def test_a_full_staging_buffer_reads_into_place():
-    pair = Pair(replace(CFG, staging_mib=1))
+    pair = Pair(replace(STAGED, staging_mib=1))
     try:
         _pull(pair, "warm", [1], [1], seed=2)
         area = pair.dec.staging
@@ -201,7 +203,7 @@ def test_a_full_staging_buffer_reads_into_place():
 
 
 def test_a_failed_copy_fails_the_request_and_frees_its_bytes(monkeypatch):
-    pair = Pair()
+    pair = Pair(STAGED)
     try:
         _pull(pair, "warm", [1], [1], seed=2)
 
@@ -219,7 +221,7 @@ def test_a_failed_copy_fails_the_request_and_frees_its_bytes(monkeypatch):
 
 
 def test_a_staged_read_that_times_out_gives_its_bytes_back(monkeypatch):
-    pair = Pair(replace(CFG, transfer_timeout_s=0.5))
+    pair = Pair(replace(STAGED, transfer_timeout_s=0.5))
     try:
         _pull(pair, "warm", [1], [1], seed=2)
         monkeypatch.setattr(pair.dec.agent, "state", lambda x: "PROC")

@@ -90,7 +90,7 @@ def test_env_strings_are_parsed_per_type() -> None:
                  "KVBRIDGE_HEARTBEAT_SECONDS": "2.5", "KVBRIDGE_HUGE_PAGES": "0",
                  "KVBRIDGE_STAGING_MIB": "64"},
     )
-    assert cfg.staging_mib == 64 and parse_connector_config({}, env={}).staging_mib == 128
+    assert cfg.staging_mib == 64 and parse_connector_config({}, env={}).staging_mib == 0
     with pytest.raises(ConfigError, match="KVBRIDGE_STAGING_MIB"):
         parse_connector_config({}, env={"KVBRIDGE_STAGING_MIB": "-1"})
     assert cfg.backends == ("UCX", "POSIX")

@@ -96,8 +96,10 @@ class EngineConfig:
     #: pull mode, host memory: MiB of registered staging buffer on each decode rank (0: none).
     #: A READ whose pieces are scattered locally but adjacent on the prefill side (heads split
     #: between prefill ranks) is read into it in a few large descriptors and then copied into
-    #: place (:mod:`kvbridge.nixl.staging`); READs that do not fit go directly into the cache
-    staging_mib: int = 128
+    #: place (:mod:`kvbridge.nixl.staging`); READs that do not fit go directly into the cache.
+    #: Off by default: on a two-core host the second copy cost what the merge saved
+    #: (docs/benchmarks.md, "kvbridge demo")
+    staging_mib: int = 0
 
     def __post_init__(self) -> None:
         if self.null_block_id is not None and (

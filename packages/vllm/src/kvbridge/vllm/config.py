@@ -48,7 +48,7 @@ class ConnectorConfig:
     ucx_threads: int = 1
     progress_thread: bool = True
     huge_pages: bool = True
-    staging_mib: int = 128
+    staging_mib: int = 0
     complete_in_background: bool = True
     gil_handoff_us: int = 200
     idle_wait_us: int = 1000
