@@ -102,7 +102,9 @@ class StagingArea:
 
     ``regions``: ``(base address, bytes)`` of each local cache region (the order of the
     engine's ``RegionGeometry``). Allocation is first fit over byte ranges and thread-safe
-    (the worker plans READs, the caller's ``poll()`` copies and frees them).
+    (the worker plans READs, the caller's ``poll()`` frees them). A completed READ's copy
+    into place runs on the area's copy thread when the worker saw the completion first
+    (:meth:`copy_soon`), else in ``poll()`` (:meth:`claim`, then :meth:`scatter`).
     """
 
     def __init__(self, nbytes: int, regions: list[tuple[int, int]], huge_pages: bool = True) -> None:
