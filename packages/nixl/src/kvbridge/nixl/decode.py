@@ -229,8 +229,7 @@ class DecodeEngine(RankEngine):
         invalid). Nothing happens for a request no longer tracked."""
         ld = self._loads.pop(rid, None)
         if ld is not None:
-            self.drop_transfers(ld.transfers.values())
-            self.unstage({q: ld.transfers.get(q) for q in ld.staged}, ld.staged)
+            self.drop_reads(ld.transfers, ld.staged)
             ld.staged.clear()
             ld.transfers.clear()
         if rid in self.tracker:
@@ -245,7 +244,7 @@ class DecodeEngine(RankEngine):
         rid = ld.request_id
         t = self.tracker.get(rid)
         try:
-            if not self._staged_in_place(ld, part):
+            if not self._staged_in_place(ld, part, t):
                 return  # the copy thread is still copying: checked again on the next poll()
         except Exception as exc:  # noqa: BLE001 - a failed copy leaves garbage: recompute
             self.fail(rid, FailureKind.POST, f"copying staged blocks into place failed: {exc}")
@@ -261,15 +260,15 @@ class DecodeEngine(RankEngine):
         if self.tracker.part_done(rid, part):
             self._loads.pop(rid, None)
 
-    def _staged_in_place(self, ld: Load, part: int) -> bool:
+    def _staged_in_place(self, ld: Load, part: int, t) -> bool:
         """Whether ``part``'s pieces are in place (its READ complete): True when it was not
-        staged or its copy is done (copied here if nobody took it), False while the copy
-        thread copies it (``ld.copying``). Raises what the copy raised."""
+        staged or its copy is done (copied here if nobody took it; not for a request ``t`` no
+        longer posted), False while the copy thread copies it (``ld.copying``). Raises what
+        the copy raised."""
         st = ld.staged.get(part)
         if st is None:
             return True
         if self.staging.claim(st):
-            t = self.tracker.get(ld.request_id)
             if t is not None and t.state is State.POSTED:
                 self.staging.scatter(st)
         elif st.future is None or not st.future.done():
@@ -283,9 +282,11 @@ class DecodeEngine(RankEngine):
             st.future.result()
         return True
 
-    def unstage(self, transfers: dict[int, Transfer | None], staged: dict[int, Staged]) -> None:
-        """Free the staging bytes of READs given up: at once where the READ is released (or
-        never existed), else once NIXL releases it (checked on every ``poll()``)."""
+    def drop_reads(self, transfers: dict[int, Transfer], staged: dict[int, Staged]) -> None:
+        """Give up READs (by source rank): release their handles (:meth:`drop_transfers`) and
+        free the staging bytes of those staged, at once where the READ is released (or already
+        gone), else once NIXL releases it (checked on every ``poll()``)."""
+        self.drop_transfers(transfers.values())
         for q, st in staged.items():
             x = transfers.get(q)
             if not self.staging.claim(st) and st.future is not None:

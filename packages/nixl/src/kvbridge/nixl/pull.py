@@ -241,9 +241,7 @@ class PullReads(DecodeMode):
         t = e.tracker.get(rid)
         if e.load_of(rid) is not ld or ld.queued_for is not peer or t is None or t.state is not State.READY:
             # failed, timed out or moved to another peer meanwhile
-            e.drop_transfers(parts.values())
-            if event.staged:
-                e.unstage(parts, event.staged)
+            e.drop_reads(parts, event.staged)
             return
         e.stats.prep_us += int(event.prep_us)
         e.stats.posts += 1

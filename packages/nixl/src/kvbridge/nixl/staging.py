@@ -254,12 +254,9 @@ class StagingArea:
                     merged.append((lo, hi))
             self._free = merged
 
-    def close(self, agent: NixlAgent | None = None) -> None:
-        """Finish the copy thread's work and release the prepared lists (the buffer is unmapped
-        with the object)."""
+    def close(self) -> None:
+        """Finish the copy thread's work (the agent releases the prepared lists when it closes;
+        the buffer is unmapped with the object)."""
         if self._copier is not None:
             self._copier.shutdown(wait=True)
-        for lst in self._lists.values():
-            if agent is not None:
-                agent.release_list(lst)
         self._lists.clear()
