@@ -5,14 +5,13 @@ sliding-window model moved over real NIXL agents, and per-group failure reports.
 
 from __future__ import annotations
 
-import socket
 import time
 from types import SimpleNamespace
 
 import pytest
 import torch
 import vllm_shapes as vs
-from halves_wiring import SchedulerHalves, alloc
+from halves_wiring import SchedulerHalves, alloc, free_port
 
 from kvbridge.topology import ConvLayout, EngineSpec, GroupKind, Layout, mamba_state_bytes
 from kvbridge.vllm import (
@@ -240,11 +239,6 @@ def test_prefill_requests_of_mamba_hybrids_leave_the_last_token_to_decode() -> N
 # --------------------------------------------------------------------------- over NIXL
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 class Engine:
     """One engine's two connector halves on a Gemma3-shaped cache (as KVBridgeConnector wires them)."""
@@ -254,7 +248,7 @@ class Engine:
     def __init__(self, engine_id: str, roles: EngineRoles, seed: int | None,
                  shared: bool = True) -> None:
         self.fam = vs.gemma3(nb=16, seed=seed, shared=shared)
-        self.port = _free_port()
+        self.port = free_port()
         self.sched = SchedulerHalves(engine_id=engine_id, block_size=128, tp_size=1, config=CFG,
                                    port=self.port, roles=roles, group_kinds=self.KINDS)
         self.worker = worker_half(0, roles, CFG, single_group=False)

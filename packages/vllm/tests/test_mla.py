@@ -8,13 +8,12 @@ decode engine of TP 1 with one READ from one rank and a notice to the other
 
 from __future__ import annotations
 
-import socket
 import time
 from types import SimpleNamespace
 
 import pytest
 import torch
-from halves_wiring import SchedulerHalves, alloc
+from halves_wiring import SchedulerHalves, alloc, free_port
 
 from kvbridge.vllm import (
     ConnectorConfig,
@@ -49,17 +48,12 @@ def _mla_caches(fill: torch.Tensor | None) -> dict[str, torch.Tensor]:
             for i in range(LAYERS)}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 class MlaEngine:
     """One engine of ``tp`` ranks: a scheduler half and one worker half per rank."""
 
     def __init__(self, engine_id: str, roles: EngineRoles, tp: int, fill: torch.Tensor | None) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.sched = SchedulerHalves(engine_id=engine_id, block_size=BLOCK, tp_size=tp, config=CFG,
                                    port=self.port, roles=roles)
         self.caches, self.workers, payloads = [], [], {}

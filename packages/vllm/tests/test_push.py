@@ -10,8 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from halves_wiring import alloc
-from test_worker import CFG, _free_port
+from halves_wiring import alloc, free_port
+from test_worker import CFG
 from test_worker import Engine as WorkerEngine
 
 from kvbridge.vllm import EngineRoles, PushOrders
@@ -164,7 +164,7 @@ def test_a_chunked_prompt_is_pushed_with_its_last_chunk(engines) -> None:
 
 def test_an_offer_to_a_dead_prefill_fails_the_load_with_its_blocks(engines) -> None:
     _, d = engines
-    dparams = _decode_params(SimpleNamespace(port=_free_port()), "t-4")
+    dparams = _decode_params(SimpleNamespace(port=free_port()), "t-4")
     d.sched.mode.after_alloc("d-4", dparams, 30, alloc([[5, 6]], 0), 30)
     _wait(lambda: d.sched.mode._failed, timeout=30)
     orders, res = d.step()

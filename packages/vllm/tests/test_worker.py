@@ -6,14 +6,13 @@ attributes registration reads."""
 
 from __future__ import annotations
 
-import socket
 import time
 from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
 import torch
-from halves_wiring import SchedulerHalves, alloc
+from halves_wiring import SchedulerHalves, alloc, free_port
 
 from kvbridge.vllm import (
     ConnectorConfig,
@@ -59,11 +58,6 @@ def _caches(seed: int | None, fp8: bool = False) -> dict[str, torch.Tensor]:
                                             else torch.zeros(shape)) for i in range(LAYERS)}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 class Engine:
     """One engine's two connector halves, wired as KVBridgeConnector wires them."""
@@ -71,7 +65,7 @@ class Engine:
     def __init__(self, engine_id: str, roles: EngineRoles, seed: int | None,
                  cfg: ConnectorConfig = CFG, cache_dtype: str = "auto") -> None:
         self.caches = _caches(seed, fp8=cache_dtype.startswith("fp8"))
-        self.port = port = _free_port()
+        self.port = port = free_port()
         self.sched = SchedulerHalves(engine_id=engine_id, block_size=BLOCK, tp_size=1, config=cfg,
                                    port=port, roles=roles)
         self.worker = worker_half(0, roles, cfg)
@@ -161,7 +155,7 @@ def test_auth_key_from_the_connector_config_guards_the_side_channel(decode_key, 
 
 def test_a_load_from_a_dead_prefill_engine_fails_with_its_blocks_invalid(pair) -> None:
     _, d = pair
-    dead = RemotePrefill.of(engine_id="gone", host="127.0.0.1", port=_free_port(),
+    dead = RemotePrefill.of(engine_id="gone", host="127.0.0.1", port=free_port(),
                             request_id="p-9", block_ids=((1, 2, 3),), token="t" * 32,
                             incarnation="x", num_tokens=40, block_size=BLOCK)
     params = encode_remote_prefill(dead)
