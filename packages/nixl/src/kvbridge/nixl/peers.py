@@ -48,8 +48,11 @@ class ThreadUsage:
 
 
 def thread_usage() -> ThreadUsage:
-    """This thread's usage (``getrusage(RUSAGE_THREAD)`` and ``/proc/thread-self/schedstat``
-    on Linux; CPU time alone elsewhere)."""
+    """This thread's usage: CPU time from the thread's CPU clock, context switches from
+    ``getrusage(RUSAGE_THREAD)`` and the wait for a CPU from ``/proc/thread-self/schedstat``
+    (the last two on Linux only). ``getrusage``'s CPU times are not used: for a running
+    thread they lag by up to a scheduler tick, enough to make a few milliseconds' CPU time
+    exceed their wall time."""
     try:
         ru = resource.getrusage(resource.RUSAGE_THREAD)
     except (AttributeError, OSError):
@@ -59,7 +62,7 @@ def thread_usage() -> ThreadUsage:
             runnable_s = int(f.read().split()[1]) / 1e9
     except (OSError, ValueError, IndexError):
         runnable_s = 0.0
-    return ThreadUsage(ru.ru_utime + ru.ru_stime, ru.ru_nivcsw, ru.ru_nvcsw, runnable_s)
+    return ThreadUsage(time.thread_time(), ru.ru_nivcsw, ru.ru_nvcsw, runnable_s)
 
 
 @dataclass(frozen=True)
