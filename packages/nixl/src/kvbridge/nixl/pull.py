@@ -36,6 +36,10 @@ from .timeline import mark
 log = logging.getLogger("kvbridge.nixl")
 
 
+class _GivenUp(Exception):
+    """The request was given up (failed, timed out) before its READs were posted."""
+
+
 @dataclass(frozen=True, eq=False)
 class ReadsSkipped:
     """Worker event: ``load``'s READs were not posted (``peer`` failed, was dropped or was
@@ -124,17 +128,25 @@ class PullReads(DecodeMode):
         e = self.engine
         if not (peer.usable and e.peers.is_current(peer)):  # failed, dropped or superseded meanwhile
             return ReadsSkipped(ld, peer)
+        if e.load_of(ld.request_id) is not ld:  # given up (e.g. timed out) while it waited
+            return ReadsSkipped(ld, peer)
         t0 = time.perf_counter()
         parts: dict[int, Transfer] = {}
         staged: dict[int, Staged] = {}
         prep = 0.0
         try:
             prep = self._build(ld, peer, parts, staged)
-            w0, u0 = time.perf_counter(), thread_usage() if timeline_on() else None
-            for q, x in parts.items():
-                peer.marks.setdefault("posted", time.perf_counter())
-                if e.agent.post(x) == "ERR":
-                    raise NixlError(f"posting the READ from engine {peer.engine_id!r} rank {q} failed")
+            # poll() gives requests up only while it holds the agent: holding it here, a request
+            # still loading is not given up (its blocks handed back to the engine for reuse)
+            # between this check and its posts
+            with e.agent.turn():
+                if e.load_of(ld.request_id) is not ld:
+                    raise _GivenUp
+                w0, u0 = time.perf_counter(), thread_usage() if timeline_on() else None
+                for q, x in parts.items():
+                    peer.marks.setdefault("posted", time.perf_counter())
+                    if e.agent.post(x) == "ERR":
+                        raise NixlError(f"posting the READ from engine {peer.engine_id!r} rank {q} failed")
             rp = e.rank_plan(peer.plan)
             # ranks holding nothing this rank needs, and sources with nothing to read for this
             # request (a full prefix hit, only null blocks): notified instead of read
@@ -146,6 +158,8 @@ class PullReads(DecodeMode):
                 mark("read_posted", ld.request_id, reads=len(parts), prep_ms=f"{prep / 1e3:.2f}",
                      post_ms=f"{(time.perf_counter() - w0) * 1e3:.2f}",
                      post_cpu_ms=f"{u.cpu_s * 1e3:.2f}", runnable_ms=f"{u.runnable_s * 1e3:.2f}")
+        except _GivenUp:  # nothing posted; the event's handler releases what was built
+            err = "given up before its READs were posted"
         except NixlError as exc:  # the peer may be dead or restarted
             err = f"NIXL: {exc}"
         except (ValueError, KeyError) as exc:

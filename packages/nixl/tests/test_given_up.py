@@ -1,0 +1,81 @@
+"""A request the decode engine gives up (here: timed out while its handshake ran) must
+never be read into afterwards: its blocks are back with the serving engine, which
+recomputes them or hands them to another request. Real NIXL agents, in one process."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+import pytest
+from test_engine import CFG, P, Pair
+
+from kvbridge.nixl import FailureKind
+from kvbridge.tools.synthetic_cache import logical_kv
+
+pytestmark = pytest.mark.timeout(120)
+
+HANDSHAKE_DELAY_S = 1.0
+
+
+def _slow_handshake(pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The decode engine's loading of a peer's agent takes HANDSHAKE_DELAY_S longer."""
+    agent = pair.dec.agent
+    add_remote = agent.add_remote
+
+    def slow(metadata: bytes) -> str:
+        time.sleep(HANDSHAKE_DELAY_S)
+        return add_remote(metadata)
+
+    monkeypatch.setattr(agent, "add_remote", slow)
+
+
+def _poll_until(pair: Pair, cond, timeout_s: float = 15.0) -> tuple[list[str], list]:
+    done, failed = [], []
+    deadline = time.monotonic() + timeout_s
+    while not cond(done, failed):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"done={done} failed={failed}")
+        ev = pair.dec.poll()
+        done += ev.done
+        failed += ev.failed
+        for e in pair.pre:
+            e.poll()
+        time.sleep(0.002)
+    return done, failed
+
+
+def test_a_load_timed_out_during_its_handshake_is_never_read_into(monkeypatch):
+    pair = Pair(replace(CFG, transfer_timeout_s=0.3, handshake_timeout_s=10))
+    try:
+        _slow_handshake(pair, monkeypatch)
+        posts = []
+        post = pair.dec.agent.post
+        monkeypatch.setattr(pair.dec.agent, "post", lambda x: posts.append(x) or post(x))
+        pair.dc.clear([4, 5])
+        pair.dec.load("a", pair.hold("a", [3, 1]), ([4, 5],))
+        t0 = time.monotonic()
+        _, failed = _poll_until(pair, lambda d, f: f)
+        assert [(f.request_id, f.kind) for f in failed] == [("a", FailureKind.TIMEOUT)]
+        assert sorted(failed[0].invalid_block_ids) == [4, 5]
+        assert time.monotonic() - t0 < HANDSHAKE_DELAY_S  # given up before the handshake ended
+        # the handshake completes after the request was given up ...
+        _poll_until(pair, lambda d, f: pair.dec.stats.handshakes == 1)
+        end = time.monotonic() + 0.5
+        while time.monotonic() < end:
+            assert pair.dec.poll().done == []
+            time.sleep(0.005)
+        # ... and nothing was read into the request's blocks (still zero)
+        assert all(int(t[[4, 5]].abs().sum()) == 0 for t in pair.dc.regions)
+        assert pair.dc.verify(logical_kv(P, 1, 32), [4, 5], 0, 32) > 0
+        assert posts == []
+        assert pair.dec.stats.posts == 0
+        assert pair.dec.resource_counts()["transfers"] == 0
+        # the peer itself is fine: the next request is read and lands
+        monkeypatch.setattr(pair.dec.agent, "post", post)
+        pair.dec.load("b", pair.hold("b", [2], seed=2), ([6],))
+        done, failed = _poll_until(pair, lambda d, f: d or f)
+        assert done == ["b"] and not failed
+        assert pair.dc.verify(logical_kv(P, 2, 16), [6], 0, 16) == 0
+    finally:
+        pair.close()
