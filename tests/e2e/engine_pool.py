@@ -34,7 +34,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
+import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -159,11 +161,26 @@ class Engine:
                 pass
         stop_process_group(self.proc, grace_s=grace_s)
 
+    def freeze(self, seconds: float) -> threading.Thread:
+        """Stop the engine's process group (SIGSTOP) and continue it (SIGCONT) ``seconds``
+        later, from the returned thread; join it to be sure the engine runs again."""
+        pid = self.proc.pid
+        os.killpg(pid, signal.SIGSTOP)
+
+        def thaw() -> None:
+            time.sleep(seconds)
+            try:
+                os.killpg(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+
+        t = threading.Thread(target=thaw, name=f"thaw-{self.name}", daemon=True)
+        t.start()
+        return t
+
     def kill(self) -> None:
         """SIGKILL at once (the dead-prefill scenario)."""
         if self.proc is not None:
-            import signal
-
             stop_process_group(self.proc, signal.SIGKILL, 0.0)
 
     # ------------------------------------------------------------------ commands
@@ -330,13 +347,15 @@ def push_params(prefill: Engine, n: int, tag: str) -> tuple[list[dict[str, Any]]
 
 def pd_round(prefill: Engine, decode: Engine, prompts: list[list[int]], max_tokens: int, *,
              push: bool = False, kill_prefill_before_pull: bool = False,
+             freeze_prefill_s: float = 0.0,
              deadline_s: float = COMMAND_DEADLINE_S, flush: bool = True) -> DisaggRun:
     """One disaggregated batch on running engines; metrics and logs cover this batch only.
 
     Pull: prefill generates 1 token per prompt with ``{"do_remote_decode": True}``; the
     decode engine then generates ``max_tokens`` with the ``kv_transfer_params`` prefill
     returned. Prefill stays alive (idle) meanwhile. With ``kill_prefill_before_pull`` the
-    prefill engine is killed (SIGKILL) between the two. Push: both engines get the batch
+    prefill engine is killed (SIGKILL) between the two; with ``freeze_prefill_s`` it is
+    stopped (SIGSTOP) then, and continued that many seconds later. Push: both engines get the batch
     at once with shared transfer ids (kvbridge's push protocol). With ``flush`` the
     prefill engine then runs one local request after a second, so that the release
     notifications and its connector stats reach its metrics.
@@ -371,8 +390,13 @@ def pd_round(prefill: Engine, decode: Engine, prompts: list[list[int]], max_toke
         if kill_prefill_before_pull:
             prefill.kill()
             prefill_exit = prefill.exit_code()
-        d_seq = decode.send("generate", prompts=prompts, max_tokens=max_tokens, params=params)
-        d_rec = decode.wait(d_seq, deadline_s, others=[] if kill_prefill_before_pull else [prefill])
+        thaw = prefill.freeze(freeze_prefill_s) if freeze_prefill_s > 0 else None
+        try:
+            d_seq = decode.send("generate", prompts=prompts, max_tokens=max_tokens, params=params)
+            d_rec = decode.wait(d_seq, deadline_s, others=[] if kill_prefill_before_pull else [prefill])
+        finally:
+            if thaw is not None:
+                thaw.join()
     p_end = p_rec["metrics"]
     if flush and prefill.alive():
         p_end = prefill.call("flush", 300, prompt=prompts[0][:8], delay_s=1.0)["metrics"]

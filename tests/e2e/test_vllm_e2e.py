@@ -15,6 +15,8 @@ needs, so consecutive tests share them:
                                           dead prefill, never reached by decode
     prefill-kv2 (killed) + decode-kv2-tp2 dead prefill after a handshake
     prefill-kv4-tp2 + decode-kv4          TP 2 -> 1
+    prefill-kv2-frozen + decode-kv2-impatient
+                                          loads time out during the first handshake
 
 The baseline is each decode engine's own run of the prompts without
 kv_transfer_params (same process, same weights); the TP 2 decode engine is held
@@ -24,6 +26,7 @@ to the TP 1 baseline, as before.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -88,6 +91,11 @@ class Engines:
                   if c.kv_connector == "KVBridgeConnector" else c)
         self.p4_tp2 = EngineDef("prefill-kv4-tp2", kv4, "prefill", staged, TP2)
         self.d4 = EngineDef("decode-kv4", kv4, "decode", staged, TP1)
+        # loads time out after 2 s, handshakes may take a minute; failed loads recompute
+        impatient = replace(c, kv_load_failure_policy="recompute", extra_config={
+            **c.extra_config, "transfer_timeout_seconds": 2.0, "handshake_timeout_seconds": 60})
+        self.p_frozen = EngineDef("prefill-kv2-frozen", kv2, "prefill", impatient, TP1)
+        self.d_impatient = EngineDef("decode-kv2-impatient", kv2, "decode", impatient, TP1)
 
 
 @pytest.fixture(scope="module")
@@ -216,3 +224,29 @@ def test_heterogeneous_tp_prefill_tp2_decode_tp1_matches_baseline(
         name = "vllm:kvbridge_num_staged_reads"
         end = run.decode.get("metrics_end") or run.decode["rounds"][-1]["metrics"]
         assert metric_total(end, name) - metric_total(run.decode.get("metrics_start", []), name) > 0
+
+
+def test_load_given_up_during_its_handshake_is_recomputed_and_never_read_into(
+    pool: EnginePool, engines: Engines, connector: ConnectorUnderTest, prompts: list[list[int]],
+    baseline_kv2: list[list[int]],
+) -> None:
+    """The prefill engine is frozen (SIGSTOP) for 8 s right after it prefilled, so the decode
+    engine's first handshake with it outlasts the decode's 2 s transfer timeout: every load
+    is given up and vLLM recomputes the prompts. When the prefill engine runs again the
+    handshake completes; the decode engine must then not read into the blocks vLLM took
+    back (it once did, and the text changed). The decode log says so for each request."""
+    if connector.kv_connector != "KVBridgeConnector":
+        pytest.skip("kvbridge's transfer and handshake timeouts; NixlConnector has its own")
+    p, d = pool.use(engines.p_frozen, engines.d_impatient)
+    off = d.log_offset()
+    run = pool.round(p, d, prompts, MAX_TOKENS, freeze_prefill_s=8.0, deadline_s=600)
+    assert run.decode_tokens() == baseline_kv2
+    assert all(r == "length" for r in run.decode_finish_reasons()), run.decode_finish_reasons()
+    start, end = run.decode.get("metrics_start", []), run.decode["metrics_end"]
+    timed_out = sum(metric_total(end, n) - metric_total(start, n) for n in connector.failure_counters)
+    assert timed_out >= 1, run.decode_log[-3000:]
+    d.call("flush", 300, prompt=prompts[0][:8], delay_s=2.0)  # steps after the handshake ended
+    log = d.log_since(off)
+    assert re.search(r"handshake with engine \S+ \(TP 1\) took", log), log[-3000:]
+    given_up = re.findall(r"request \S+ was given up before its READs were posted; nothing was read", log)
+    assert len(given_up) == len(prompts), log[-3000:]

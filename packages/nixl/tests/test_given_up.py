@@ -4,6 +4,7 @@ recomputes them or hands them to another request. Real NIXL agents, in one proce
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import replace
 
@@ -45,7 +46,8 @@ def _poll_until(pair: Pair, cond, timeout_s: float = 15.0) -> tuple[list[str], l
     return done, failed
 
 
-def test_a_load_timed_out_during_its_handshake_is_never_read_into(monkeypatch):
+def test_a_load_timed_out_during_its_handshake_is_never_read_into(monkeypatch, caplog):
+    caplog.set_level(logging.INFO, logger="kvbridge.nixl")
     pair = Pair(replace(CFG, transfer_timeout_s=0.3, handshake_timeout_s=10))
     try:
         _slow_handshake(pair, monkeypatch)
@@ -70,6 +72,8 @@ def test_a_load_timed_out_during_its_handshake_is_never_read_into(monkeypatch):
         assert pair.dc.verify(logical_kv(P, 1, 32), [4, 5], 0, 32) > 0
         assert posts == []
         assert pair.dec.stats.posts == 0
+        assert [r.getMessage() for r in caplog.records if "nothing was read" in r.getMessage()] == [
+            "request a was given up before its READs were posted; nothing was read into its blocks"]
         assert pair.dec.resource_counts()["transfers"] == 0
         # the peer itself is fine: the next request is read and lands
         monkeypatch.setattr(pair.dec.agent, "post", post)
@@ -77,5 +81,34 @@ def test_a_load_timed_out_during_its_handshake_is_never_read_into(monkeypatch):
         done, failed = _poll_until(pair, lambda d, f: d or f)
         assert done == ["b"] and not failed
         assert pair.dc.verify(logical_kv(P, 2, 16), [6], 0, 16) == 0
+    finally:
+        pair.close()
+
+
+def test_a_load_timed_out_while_its_reads_were_built_is_never_read_into(monkeypatch, caplog):
+    """The worker checks again, holding the agent, between building the READs and posting
+    them: a request poll() gave up meanwhile is not posted, and what was built is released."""
+    caplog.set_level(logging.INFO, logger="kvbridge.nixl")
+    pair = Pair(replace(CFG, transfer_timeout_s=0.3))
+    try:
+        pair.dec.load("warm", pair.hold("warm", [2]), ([3],))  # handshake done beforehand
+        _poll_until(pair, lambda d, f: d == ["warm"])
+        mode = pair.dec.mode
+        build = mode._build
+
+        def slow_build(*args):
+            took = build(*args)
+            time.sleep(0.6)  # past the request's deadline, the agent not held
+            return took
+
+        monkeypatch.setattr(mode, "_build", slow_build)
+        pair.dc.clear([4, 5])
+        pair.dec.load("a", pair.hold("a", [3, 1]), ([4, 5],))
+        _, failed = _poll_until(pair, lambda d, f: f)
+        assert [(f.request_id, f.kind) for f in failed] == [("a", FailureKind.TIMEOUT)]
+        _poll_until(pair, lambda d, f: any("nothing was read" in r.getMessage() for r in caplog.records))
+        assert all(int(t[[4, 5]].abs().sum()) == 0 for t in pair.dc.regions)
+        assert pair.dec.stats.posts == 1  # "warm" alone
+        assert pair.dec.resource_counts()["transfers"] == 0  # the built READs were released
     finally:
         pair.close()

@@ -36,8 +36,16 @@ from .timeline import mark
 log = logging.getLogger("kvbridge.nixl")
 
 
+GIVEN_UP = "given up before its READs were posted"
+
+
 class _GivenUp(Exception):
     """The request was given up (failed, timed out) before its READs were posted."""
+
+
+def _nothing_read(ld: Load) -> None:
+    log.info("request %s was given up before its READs were posted; nothing was read into "
+             "its blocks", ld.request_id)
 
 
 @dataclass(frozen=True, eq=False)
@@ -159,7 +167,7 @@ class PullReads(DecodeMode):
                      post_ms=f"{(time.perf_counter() - w0) * 1e3:.2f}",
                      post_cpu_ms=f"{u.cpu_s * 1e3:.2f}", runnable_ms=f"{u.runnable_s * 1e3:.2f}")
         except _GivenUp:  # nothing posted; the event's handler releases what was built
-            err = "given up before its READs were posted"
+            err = GIVEN_UP
         except NixlError as exc:  # the peer may be dead or restarted
             err = f"NIXL: {exc}"
         except (ValueError, KeyError) as exc:
@@ -241,6 +249,8 @@ class PullReads(DecodeMode):
     def _skipped(self, ld: Load, peer: Peer) -> None:
         """The worker did not post ``ld``: its peer failed, was dropped or superseded first."""
         e = self.engine
+        if e.load_of(ld.request_id) is None:
+            _nothing_read(ld)
         if e.load_of(ld.request_id) is not ld or ld.queued_for is not peer:
             return
         t = e.tracker.get(ld.request_id)
@@ -256,6 +266,8 @@ class PullReads(DecodeMode):
         if e.load_of(rid) is not ld or ld.queued_for is not peer or t is None or t.state is not State.READY:
             # failed, timed out or moved to another peer meanwhile
             e.drop_reads(parts, event.staged)
+            if err == GIVEN_UP:
+                _nothing_read(ld)
             return
         e.stats.prep_us += int(event.prep_us)
         e.stats.posts += 1
