@@ -291,10 +291,12 @@ def test_a_handshake_superseded_by_a_restart_leaves_nothing_behind(pair):
     assert not old.local_lists and not old.remote_lists and not old.descs and not old.agents
 
 
-@pytest.mark.parametrize("nixl_refuses_release", [False, True], ids=["released", "refused-then-released"])
-def test_a_read_that_never_completes_times_out(monkeypatch, nixl_refuses_release):
-    """The READ stays "PROC" forever: the request fails with kind timeout and its blocks, and
-    its transfer handle is released (at once, or on a later poll when NIXL refused at first)."""
+@pytest.mark.parametrize("ending", ["completes", "errs"])
+def test_a_read_that_never_completes_times_out_and_is_kept_until_it_ends(monkeypatch, ending):
+    """The READ stays "PROC": the request fails at its timeout with kind timeout and its
+    blocks, but the READ's handle is kept (NIXL cannot cancel a transfer in progress) and
+    checked on every poll until it ends. One that then completes is counted as late (it
+    wrote into blocks already handed back); a release NIXL refuses is retried."""
     pair = Pair(replace(CFG, transfer_timeout_s=0.5))
     try:
         pair.dec.load("warm", pair.hold("warm", [2]), ([3],))
@@ -302,10 +304,16 @@ def test_a_read_that_never_completes_times_out(monkeypatch, nixl_refuses_release
         base = pair.dec.resource_counts()
         agent = pair.dec.agent
         real_release = agent.release_transfer
-        refusing = [nixl_refuses_release]
-        monkeypatch.setattr(agent, "state", lambda x: "PROC")
-        monkeypatch.setattr(agent, "release_transfer",
-                            lambda x: False if refusing[0] and not x.released else real_release(x))
+        state, refusals = ["PROC"], [1]
+
+        def release(x):
+            if refusals[0] and not x.released:
+                refusals[0] -= 1
+                return False
+            return real_release(x)
+
+        monkeypatch.setattr(agent, "state", lambda x: state[0])
+        monkeypatch.setattr(agent, "release_transfer", release)
         pair.dec.load("a", pair.hold("a", [1, 4], seed=3), ([6, 7],))
         t0 = time.monotonic()
         done, failed, _ = pair.run(lambda d, f, r: d or f, timeout=5)
@@ -315,12 +323,16 @@ def test_a_read_that_never_completes_times_out(monkeypatch, nixl_refuses_release
             ("a", FailureKind.TIMEOUT, (6, 7))]
         assert 0.4 <= elapsed < 3, elapsed
         assert pair.dec.stats.failures == {"timeout": 1} and pair.dec.pending == 0
-        if nixl_refuses_release:
-            # one READ per prefill rank, both still held
-            assert pair.dec.resource_counts()["transfers"] == base["transfers"] + P.tp_size
-            refusing[0] = False
+        for _ in range(10):  # still in progress: both READs (one per prefill rank) are kept
             pair.dec.poll()
+        assert pair.dec.resource_counts()["transfers"] == base["transfers"] + P.tp_size
+        assert refusals == [1] and pair.dec.stats.late_transfers == 0
+        state[0] = "DONE" if ending == "completes" else "ERR"
+        pair.dec.poll()  # both ended; NIXL refuses one release
+        assert pair.dec.resource_counts()["transfers"] == base["transfers"] + 1
+        pair.dec.poll()
         assert pair.dec.resource_counts() == base
+        assert pair.dec.stats.late_transfers == (P.tp_size if ending == "completes" else 0)
         monkeypatch.undo()
         pair.dec.load("b", pair.hold("b", [5], seed=4), ([8],))  # the peer was not dropped
         done, failed, _ = pair.run(lambda d, f, r: d or f)

@@ -220,7 +220,9 @@ def test_a_failed_copy_fails_the_request_and_frees_its_bytes(monkeypatch):
         pair.close()
 
 
-def test_a_staged_read_that_times_out_gives_its_bytes_back(monkeypatch):
+def test_a_staged_read_that_times_out_keeps_its_bytes_until_it_ends(monkeypatch):
+    """A timed-out READ may still land (NIXL cannot cancel it): its staging bytes are given
+    back only once it has ended, so that no later READ's bytes are overwritten."""
     pair = Pair(replace(STAGED, transfer_timeout_s=0.5))
     try:
         _pull(pair, "warm", [1], [1], seed=2)
@@ -231,6 +233,11 @@ def test_a_staged_read_that_times_out_gives_its_bytes_back(monkeypatch):
         assert pair.dec.stats.staged_reads == 2  # both READs were staged
         assert time.monotonic() - t0 < 5
         pair.dec.poll()
+        held = 4 * sum(t.shape[1] for t in pair.dc.regions)  # both READs: whole blocks
+        assert pair.dec.staging.bytes_in_use == held
+        monkeypatch.undo()  # the READs are seen complete: late, and their bytes come back
+        pair.dec.poll()
         assert pair.dec.staging.bytes_in_use == 0
+        assert pair.dec.stats.late_transfers == 2
     finally:
         pair.close()

@@ -41,6 +41,7 @@ from kvbridge.memory import (
 )
 from kvbridge.topology import EngineSpec, TopologyError, TransferPlan, TransferRecord
 
+from .abandoned import Abandoned
 from .agent import NixlAgent, NixlError, Transfer
 from .config import (
     EngineConfig,
@@ -169,7 +170,7 @@ class RankEngine:
                               idle_interval_s=self.config.idle_progress_interval_s, busy=self._busy,
                               on_start=functools.partial(use_cache_device, regions))
         self.peers = PeerTable(self.agent, self.stats, self._start_handshake)
-        self._orphans: list[Transfer] = []  # handles NIXL refused to release yet
+        self._abandoned = Abandoned(self.agent, self.stats)  # given up, not ended or released yet
         self._busy_until = 0.0  # monotonic time: busy until then (see busy_after_poll_s)
         self._closed = False
 
@@ -458,18 +459,13 @@ class RankEngine:
             time.sleep(0.00005)
 
     def drop_transfers(self, transfers: Iterable[Transfer]) -> None:
-        """Release transfer handles; those NIXL refuses (still active, e.g. timed out) are
-        retried on every ``poll()`` until released."""
-        for x in list(transfers):
-            if not self.agent.release_transfer(x):
-                log.warning("NIXL refused to release an active %s to %s; retrying later", x.op, x.peer)
-                self._orphans.append(x)
+        """Give transfers up: release their handles, except those still in progress, which
+        are kept until they end (:mod:`~kvbridge.nixl.abandoned`; NIXL cannot cancel them)."""
+        self._abandoned.drop(transfers)
 
     def _release_transfers(self) -> None:
-        """Retry releasing handles NIXL refused to release before."""
-        for x in list(self._orphans):
-            if self.agent.release_transfer(x):
-                self._orphans.remove(x)
+        """Release the given-up transfers that have ended since (every ``poll()``)."""
+        self._abandoned.sweep()
 
     def resource_counts(self) -> dict[str, int]:
         """The agent's live resources (:meth:`NixlAgent.counts`) and the number of known peers."""

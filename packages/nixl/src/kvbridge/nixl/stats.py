@@ -35,6 +35,7 @@ class Stats:
     leases_expired: int = 0
     requests_released: int = 0
     stale_agents_dropped: int = 0
+    late_transfers: int = 0  # given up in progress, then completed (bytes moved after the hand-back)
     failures: dict[str, int] = field(default_factory=dict)
 
     def fail(self, kind: str) -> None:

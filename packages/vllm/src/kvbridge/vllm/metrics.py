@@ -99,6 +99,10 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
             "staged_reads": counter("vllm:kvbridge_num_staged_reads",
                                     "READs landed in the decode worker's staging buffer and "
                                     "copied into place (pieces scattered locally)."),
+            "late_transfers": counter("vllm:kvbridge_num_late_transfers",
+                                      "Transfers that completed after their request was given "
+                                      "up (timed out): their bytes moved after the blocks were "
+                                      "handed back. Should stay 0; see the kvbridge docs."),
             "requests_without_params": counter(
                 "vllm:kvbridge_num_requests_without_params",
                 "Requests a decode (kv_consumer or kv_both) engine got without "
@@ -116,6 +120,6 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
         if failed:
             self._counters["failed"][engine_idx].inc(failed)
         for key in ("failed_handshakes", "expired_leases", "ignored_notifications", "requests_done",
-                    "requests_without_params", "staged_reads"):
+                    "requests_without_params", "staged_reads", "late_transfers"):
             if d.get(key):
                 self._counters[key][engine_idx].inc(int(d[key]))

@@ -32,7 +32,8 @@ OBSERVATIONS = ("transfer_duration", "post_duration", "bytes_transferred", "num_
 #: int-valued keys: counts over the interval
 COUNTS = ("requests_done", "requests_failed", "failed_handshakes", "failed_transfers",
           "failed_posts", "failed_timeouts", "expired_leases", "released_requests",
-          "ignored_notifications", "renewed_leases", "requests_without_params", "staged_reads")
+          "ignored_notifications", "renewed_leases", "requests_without_params", "staged_reads",
+          "late_transfers")
 
 
 def empty_stats() -> dict[str, Any]:
@@ -114,6 +115,7 @@ def stats_delta(now: Stats, before: Stats) -> dict[str, int]:
         + diff("notifications_malformed") + diff("notifications_unauthenticated"),
         "renewed_leases": diff("leases_renewed"),
         "staged_reads": diff("staged_reads"),
+        "late_transfers": diff("late_transfers"),
     }
 
 
