@@ -112,3 +112,35 @@ def test_a_load_timed_out_while_its_reads_were_built_is_never_read_into(monkeypa
         assert pair.dec.resource_counts()["transfers"] == 0  # the built READs were released
     finally:
         pair.close()
+
+
+def test_reads_posted_just_before_the_timeout_are_given_up_with_the_request(monkeypatch):
+    """The worker posted the READs, but poll() gives the request up before it applies the
+    posting event (here the event is held back 1 s). The request's failure must take the
+    READs with it: kept while in progress, and counted late when they then complete."""
+    pair = Pair(replace(CFG, transfer_timeout_s=0.3))
+    try:
+        pair.dec.load("warm", pair.hold("warm", [2]), ([3],))
+        _poll_until(pair, lambda d, f: d == ["warm"])
+        base = pair.dec.resource_counts()
+        agent, dec = pair.dec.agent, pair.dec
+        state = agent.state
+        in_progress = [True]
+        monkeypatch.setattr(agent, "state", lambda x: "PROC" if in_progress[0] else state(x))
+        report = dec.report
+
+        def late_report(event):
+            time.sleep(1.0)
+            report(event)
+
+        monkeypatch.setattr(dec, "report", late_report)
+        dec.load("a", pair.hold("a", [3, 1]), ([4, 5],))
+        _, failed = _poll_until(pair, lambda d, f: f)
+        assert [(f.request_id, f.kind) for f in failed] == [("a", FailureKind.TIMEOUT)]
+        assert dec.resource_counts()["transfers"] == base["transfers"] + P.tp_size  # kept
+        in_progress[0] = False  # the READs complete, after the request was given up
+        time.sleep(1.2)  # the posting event arrives meanwhile
+        _poll_until(pair, lambda d, f: dec.stats.late_transfers == P.tp_size, timeout_s=5)
+        assert dec.resource_counts() == base
+    finally:
+        pair.close()

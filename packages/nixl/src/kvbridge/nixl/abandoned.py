@@ -13,7 +13,9 @@ that *completed* after it was given up wrote into memory already handed back: it
 counted (``Stats.late_transfers``) and logged as an error, so that operators see it. A
 transfer that had not been posted, or had ended, is released at once; one whose release
 NIXL refuses is retried on every poll. Transfers to a peer that is dropped are released
-with the peer's agent (:meth:`~kvbridge.nixl.agent.NixlAgent.remove_remote`).
+with the peer's agent (:meth:`~kvbridge.nixl.agent.NixlAgent.remove_remote`); whether
+they still land is then unknown, as it is for one that ends in error (it may have moved
+part of its bytes): neither is counted.
 """
 
 from __future__ import annotations

@@ -229,6 +229,10 @@ class DecodeEngine(RankEngine):
         invalid). Nothing happens for a request no longer tracked."""
         ld = self._loads.pop(rid, None)
         if ld is not None:
+            if ld.unreported is not None:  # posted just now, its event not applied yet
+                ld.transfers.update(ld.unreported[0])
+                ld.staged.update(ld.unreported[1])
+                ld.unreported = None
             self.drop_reads(ld.transfers, ld.staged)
             ld.staged.clear()
             ld.transfers.clear()

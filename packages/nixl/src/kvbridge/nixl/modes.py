@@ -42,6 +42,9 @@ class Load:
     staged: dict[int, Staged] = field(default_factory=dict)
     #: pull: source ranks whose READ completed while the copy thread still copies it into place
     copying: set[int] = field(default_factory=set)
+    #: pull: READs (by source rank) and their staging the worker posted, whose posting event
+    #: poll() has not applied yet; a request given up meanwhile gives them up too
+    unreported: tuple[dict[int, Transfer], dict[int, Staged]] | None = None
 
     @property
     def remote_id(self) -> str:

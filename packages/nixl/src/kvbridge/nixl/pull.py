@@ -69,6 +69,8 @@ class ReadsPosted:
     error: str | None
     prep_us: float
     staged: dict[int, Staged]
+    #: the posted READs were put on the load (``Load.unreported``) as they were posted
+    attached: bool = False
 
 
 class PullReads(DecodeMode):
@@ -142,6 +144,7 @@ class PullReads(DecodeMode):
         parts: dict[int, Transfer] = {}
         staged: dict[int, Staged] = {}
         prep = 0.0
+        attached = False
         try:
             prep = self._build(ld, peer, parts, staged)
             # poll() gives requests up only while it holds the agent: holding it here, a request
@@ -155,6 +158,7 @@ class PullReads(DecodeMode):
                     peer.marks.setdefault("posted", time.perf_counter())
                     if e.agent.post(x) == "ERR":
                         raise NixlError(f"posting the READ from engine {peer.engine_id!r} rank {q} failed")
+                ld.unreported, attached = (parts, staged), True  # fail() now gives them up too
             rp = e.rank_plan(peer.plan)
             # ranks holding nothing this rank needs, and sources with nothing to read for this
             # request (a full prefix hit, only null blocks): notified instead of read
@@ -177,7 +181,7 @@ class PullReads(DecodeMode):
         for q in set(staged) - set(parts):  # planned, but building its READ failed
             e.staging.free(staged.pop(q))
         return ReadsPosted(ld, peer, parts, err, prep if prep else (time.perf_counter() - t0) * 1e6,
-                           staged)
+                           staged, attached)
 
     def _post_and_drive(self, ld: Load, peer: Peer) -> None:
         """Worker thread: post ``ld``'s READs, report them, then check them until they complete."""
@@ -262,6 +266,11 @@ class PullReads(DecodeMode):
     def _posted(self, event: ReadsPosted) -> None:
         e, ld, peer, parts, err = self.engine, event.load, event.peer, event.parts, event.error
         rid = ld.request_id
+        if event.attached:
+            if ld.unreported is None:
+                return  # the request was given up after the posts: fail() gave them up with it
+            if ld.unreported[0] is parts:
+                ld.unreported = None
         t = e.tracker.get(rid)
         if e.load_of(rid) is not ld or ld.queued_for is not peer or t is None or t.state is not State.READY:
             # failed, timed out or moved to another peer meanwhile
