@@ -19,7 +19,6 @@ import random
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +26,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
+
+from kvbridge.tools.ports import free_port  # also imported from here by the e2e modules
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 RUNNER = Path(__file__).resolve().with_name("engine_runner.py")
@@ -81,30 +82,6 @@ def missing_env_reason() -> str | None:
     return None
 
 
-def free_port() -> int:
-    """A free port below the kernel's ephemeral range.
-
-    A port the kernel hands out for bind(("", 0)) goes back to the ephemeral
-    pool when released, and the engine's own listeners (UCX, torch.distributed)
-    may get it before the side channel binds it: seen here once. Ports below the
-    range are never handed out that way.
-    """
-    low = 32768
-    try:
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        pass
-    for _ in range(200):
-        port = random.randrange(max(1024, low - 12000), low)
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port below the ephemeral range")
-
-
 def tiny_llama(kv_heads: int = 2, *, layers: int = 2, heads: int = 4, head_dim: int = 32,
                intermediate: int = 256, vocab: int = 1024, seed: int = 0,
                cache_dir: Path | None = None, python: str | None = None) -> Path:
@@ -135,7 +112,6 @@ def tiny_llama(kv_heads: int = 2, *, layers: int = 2, heads: int = 4, head_dim: 
 
 def make_prompts(lengths: Sequence[int], *, vocab: int = 1024, seed: int = 0) -> list[list[int]]:
     """Deterministic random token-id prompts (ids 3..vocab-1, avoiding bos/eos/pad)."""
-    import random
 
     rng = random.Random(seed)
     return [[rng.randrange(3, vocab) for _ in range(n)] for n in lengths]

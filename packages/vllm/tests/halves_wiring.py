@@ -2,36 +2,9 @@
 
 from __future__ import annotations
 
-import random
-import socket
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 
 from kvbridge.vllm import Allocated, scheduler_half
-
-
-def free_port() -> int:
-    """A free side-channel port below the kernel's ephemeral range.
-
-    An engine binds its side channel only after its worker half built a NIXL agent, whose
-    UCX listeners and connections take ephemeral ports: a port that bind(("", 0)) handed out
-    and released can be taken in between (CI, 2026-11-29: "Address already in use" on
-    127.0.0.1:39707). Ports below the range are never handed out that way.
-    """
-    low = 32768
-    try:
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        pass
-    for _ in range(200):
-        port = random.randrange(max(1024, low - 12000), low)
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port below the ephemeral range")
 
 
 def alloc(new_block_ids: Sequence[Sequence[int]], hits: int = 0) -> Allocated:

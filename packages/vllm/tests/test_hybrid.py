@@ -11,8 +11,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 import vllm_shapes as vs
-from halves_wiring import SchedulerHalves, alloc, free_port
+from halves_wiring import SchedulerHalves, alloc
 
+from kvbridge.tools.ports import free_port
 from kvbridge.topology import ConvLayout, EngineSpec, GroupKind, Layout, mamba_state_bytes
 from kvbridge.vllm import (
     ConnectorConfig,

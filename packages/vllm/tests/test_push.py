@@ -10,10 +10,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from halves_wiring import alloc, free_port
+from halves_wiring import alloc
 from test_worker import CFG
 from test_worker import Engine as WorkerEngine
 
+from kvbridge.tools.ports import free_port
 from kvbridge.vllm import EngineRoles, PushOrders
 from kvbridge.vllm.params import TRANSFER_ID_KEY
 

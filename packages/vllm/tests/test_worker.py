@@ -12,8 +12,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from halves_wiring import SchedulerHalves, alloc, free_port
+from halves_wiring import SchedulerHalves, alloc
 
+from kvbridge.tools.ports import free_port
 from kvbridge.vllm import (
     ConnectorConfig,
     EngineRoles,

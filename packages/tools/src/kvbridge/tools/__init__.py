@@ -14,5 +14,7 @@ kvbridge-nixl (or kvbridge-vllm) does not install it. By concept:
   ``kvbridge bench`` commands; :mod:`~kvbridge.tools.scale`: ``kvbridge bench --scale``
   (:mod:`~kvbridge.tools.chart`: its matplotlib chart); :mod:`~kvbridge.tools.bare_nixl`: the
   bench's bare-NIXL reference; :mod:`~kvbridge.tools.memcpy`: the host memcpy baseline both
-  commands report; :mod:`~kvbridge.tools.progress_bars`: their tqdm progress bars on stderr.
+  commands report; :mod:`~kvbridge.tools.progress_bars`: their tqdm progress bars on stderr;
+* :mod:`~kvbridge.tools.ports`: free ports below the ephemeral range, for test and benchmark
+  engines' side channels.
 """
