@@ -31,21 +31,6 @@ def _slow_handshake(pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(agent, "add_remote", slow)
 
 
-def _poll_until(pair: Pair, cond, timeout_s: float = 15.0) -> tuple[list[str], list]:
-    done, failed = [], []
-    deadline = time.monotonic() + timeout_s
-    while not cond(done, failed):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"done={done} failed={failed}")
-        ev = pair.dec.poll()
-        done += ev.done
-        failed += ev.failed
-        for e in pair.pre:
-            e.poll()
-        time.sleep(0.002)
-    return done, failed
-
-
 def test_a_load_timed_out_during_its_handshake_is_never_read_into(monkeypatch, caplog):
     caplog.set_level(logging.INFO, logger="kvbridge.nixl")
     pair = Pair(replace(CFG, transfer_timeout_s=0.3, handshake_timeout_s=10))
@@ -57,12 +42,12 @@ def test_a_load_timed_out_during_its_handshake_is_never_read_into(monkeypatch, c
         pair.dc.clear([4, 5])
         pair.dec.load("a", pair.hold("a", [3, 1]), ([4, 5],))
         t0 = time.monotonic()
-        _, failed = _poll_until(pair, lambda d, f: f)
+        _, failed, _ = pair.run(lambda d, f, r: f)
         assert [(f.request_id, f.kind) for f in failed] == [("a", FailureKind.TIMEOUT)]
         assert sorted(failed[0].invalid_block_ids) == [4, 5]
         assert time.monotonic() - t0 < HANDSHAKE_DELAY_S  # given up before the handshake ended
         # the handshake completes after the request was given up ...
-        _poll_until(pair, lambda d, f: pair.dec.stats.handshakes == 1)
+        pair.run(lambda d, f, r: pair.dec.stats.handshakes == 1)
         end = time.monotonic() + 0.5
         while time.monotonic() < end:
             assert pair.dec.poll().done == []
@@ -78,7 +63,7 @@ def test_a_load_timed_out_during_its_handshake_is_never_read_into(monkeypatch, c
         # the peer itself is fine: the next request is read and lands
         monkeypatch.setattr(pair.dec.agent, "post", post)
         pair.dec.load("b", pair.hold("b", [2], seed=2), ([6],))
-        done, failed = _poll_until(pair, lambda d, f: d or f)
+        done, failed, _ = pair.run(lambda d, f, r: d or f)
         assert done == ["b"] and not failed
         assert pair.dc.verify(logical_kv(P, 2, 16), [6], 0, 16) == 0
     finally:
@@ -92,7 +77,7 @@ def test_a_load_timed_out_while_its_reads_were_built_is_never_read_into(monkeypa
     pair = Pair(replace(CFG, transfer_timeout_s=0.3))
     try:
         pair.dec.load("warm", pair.hold("warm", [2]), ([3],))  # handshake done beforehand
-        _poll_until(pair, lambda d, f: d == ["warm"])
+        pair.run(lambda d, f, r: d == ["warm"])
         mode = pair.dec.mode
         build = mode._build
 
@@ -104,9 +89,9 @@ def test_a_load_timed_out_while_its_reads_were_built_is_never_read_into(monkeypa
         monkeypatch.setattr(mode, "_build", slow_build)
         pair.dc.clear([4, 5])
         pair.dec.load("a", pair.hold("a", [3, 1]), ([4, 5],))
-        _, failed = _poll_until(pair, lambda d, f: f)
+        _, failed, _ = pair.run(lambda d, f, r: f)
         assert [(f.request_id, f.kind) for f in failed] == [("a", FailureKind.TIMEOUT)]
-        _poll_until(pair, lambda d, f: any("nothing was read" in r.getMessage() for r in caplog.records))
+        pair.run(lambda d, f, r: any("nothing was read" in rec.getMessage() for rec in caplog.records))
         assert all(int(t[[4, 5]].abs().sum()) == 0 for t in pair.dc.regions)
         assert pair.dec.stats.posts == 1  # "warm" alone
         assert pair.dec.resource_counts()["transfers"] == 0  # the built READs were released
@@ -121,7 +106,7 @@ def test_reads_posted_just_before_the_timeout_are_given_up_with_the_request(monk
     pair = Pair(replace(CFG, transfer_timeout_s=0.3))
     try:
         pair.dec.load("warm", pair.hold("warm", [2]), ([3],))
-        _poll_until(pair, lambda d, f: d == ["warm"])
+        pair.run(lambda d, f, r: d == ["warm"])
         base = pair.dec.resource_counts()
         agent, dec = pair.dec.agent, pair.dec
         state = agent.state
@@ -135,12 +120,12 @@ def test_reads_posted_just_before_the_timeout_are_given_up_with_the_request(monk
 
         monkeypatch.setattr(dec, "report", late_report)
         dec.load("a", pair.hold("a", [3, 1]), ([4, 5],))
-        _, failed = _poll_until(pair, lambda d, f: f)
+        _, failed, _ = pair.run(lambda d, f, r: f)
         assert [(f.request_id, f.kind) for f in failed] == [("a", FailureKind.TIMEOUT)]
         assert dec.resource_counts()["transfers"] == base["transfers"] + P.tp_size  # kept
         in_progress[0] = False  # the READs complete, after the request was given up
         time.sleep(1.2)  # the posting event arrives meanwhile
-        _poll_until(pair, lambda d, f: dec.stats.late_transfers == P.tp_size, timeout_s=5)
+        pair.run(lambda d, f, r: dec.stats.late_transfers == P.tp_size, timeout=5)
         assert dec.resource_counts() == base
     finally:
         pair.close()
