@@ -175,3 +175,81 @@ def test_poll_pauses_for_the_worker_only_while_it_has_a_job(monkeypatch, handoff
     finally:
         gate.set()
         decode.close()
+
+
+def test_checks_a_job_leaves_run_between_later_jobs_until_they_are_finished():
+    """A job that leaves a check (``Worker.watch``) does not hold up the jobs behind it; the
+    check runs after each of them and while the worker idles, until it returns True. A check
+    that raises is dropped (logged), and the worker goes on."""
+    agent = CountingAgent()
+    w = Worker(agent, "watching", 0.0)  # type: ignore[arg-type]
+    gate, log, second_ran = threading.Event(), [], threading.Event()
+
+    def check() -> bool:
+        log.append("check")
+        return gate.is_set()
+
+    def broken() -> bool:
+        raise RuntimeError("a bug in a check")
+
+    try:
+        w.submit(lambda: (w.watch(check), w.watch(broken)))
+        w.submit(second_ran.set)
+        assert second_ran.wait(10)  # ran while the first job's check is still unfinished
+        deadline = time.monotonic() + 10
+        while log.count("check") < 20 and time.monotonic() < deadline:  # checked while idle
+            time.sleep(0.01)
+        assert log.count("check") >= 20 and w.in_job  # poll()'s GIL hand-off still applies
+        gate.set()
+        while w.in_job and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not w.in_job
+        n = log.count("check")
+        time.sleep(0.1)
+        assert log.count("check") == n  # finished: no longer called
+    finally:
+        w.close(5)
+
+
+def test_drive_returns_at_once_and_wakes_the_owner_when_the_transfers_complete(monkeypatch):
+    """``RankEngine.drive`` leaves its checks to the worker: the next job (the next request's
+    posts) runs before these transfers complete; when they do, ``then`` runs and the engine's
+    ``fileno()`` becomes readable, so an owner waiting on it polls at once."""
+    import select
+
+    decode = LocalRanks.start("d", D, [0], 8, CFG, serve=False)
+    dec = decode.engines[0]
+    gate, order = threading.Event(), []
+    monkeypatch.setattr(dec.agent, "state", lambda t: "DONE" if gate.is_set() else "PROC")
+    try:
+        dec.poll()
+        dec.submit(lambda: dec.drive([object()], lambda: order.append("checked")))
+        dec.submit(lambda: order.append("next job"))
+        deadline = time.monotonic() + 10
+        while "next job" not in order and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert order == ["next job"]
+        assert not select.select([dec], [], [], 0.2)[0]  # in progress: nothing to wake for
+        gate.set()
+        assert select.select([dec], [], [], 10)[0]
+        assert order == ["next job", "checked"]
+    finally:
+        decode.close()
+
+
+def test_drive_gives_up_checking_after_complete_in_background_s(monkeypatch):
+    decode = LocalRanks.start("d", D, [0], 8, replace(CFG, complete_in_background_s=0.2), serve=False)
+    dec = decode.engines[0]
+    monkeypatch.setattr(dec.agent, "state", lambda t: "PROC")
+    called = threading.Event()
+    try:
+        t0 = time.monotonic()
+        dec.submit(lambda: dec.drive([object()], called.set))
+        assert called.wait(10)
+        assert 0.15 < time.monotonic() - t0 < 5
+        deadline = time.monotonic() + 5
+        while dec._worker.in_job and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not dec._worker.in_job  # no check left behind
+    finally:
+        decode.close()

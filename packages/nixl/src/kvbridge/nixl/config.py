@@ -39,7 +39,8 @@ class EngineConfig:
     #: (over UCX in host memory NIXL performs the copy inside the post call)
     post_in_background: bool = True
     #: with ``post_in_background``: after posting a request's READs the worker checks them
-    #: until they complete, for at most this long (seconds; 0: only ``poll()`` checks them,
+    #: until they complete, between its later jobs (it posts the next request's READs
+    #: meanwhile), for at most this long (seconds; 0: only ``poll()`` checks them,
     #: so a READ that needs progress calls advances and is seen done once per ``poll()``)
     complete_in_background_s: float = 0.5
     #: model identity and attention backend for the handshake's compatibility hash

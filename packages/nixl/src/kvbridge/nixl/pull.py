@@ -184,17 +184,19 @@ class PullReads(DecodeMode):
                            staged, attached)
 
     def _post_and_drive(self, ld: Load, peer: Peer) -> None:
-        """Worker thread: post ``ld``'s READs, report them, then check them until they complete."""
+        """Worker thread: post ``ld``'s READs, report them, then have them checked until they
+        complete (between the worker's later jobs: ``RankEngine.drive``)."""
         e = self.engine
         event = self._post_job(ld, peer)
         e.report(event)
         if (isinstance(event, ReadsPosted) and event.error is None
                 and e.config.complete_in_background_s > 0):
-            e.drive(event.parts.values())
-            mark("read_checked", ld.request_id)
-            for q, st in event.staged.items():  # copy completed staged READs beside the next ones
-                if event.parts[q].done:
-                    e.staging.copy_soon(st)
+            def checked() -> None:
+                mark("read_checked", ld.request_id)
+                for q, st in event.staged.items():  # copy completed staged READs beside the next ones
+                    if event.parts[q].done:
+                        e.staging.copy_soon(st)
+            e.drive(event.parts.values(), checked)
 
     def _build(self, ld: Load, peer: Peer, parts: dict[int, Transfer], staged: dict[int, Staged]) -> float:
         """Make one READ per source rank (not posted), into the staging buffer where that pays

@@ -180,18 +180,21 @@ class PushWrites(PrefillMode):
         (a vLLM step away: the decode engine would wait for it). Leaves it to ``poll()`` when
         the WRITEs take longer than ``complete_in_background_s`` or anything went wrong."""
         e = self.engine
-        e.drive(list(p.posted))
-        with p.lock:
-            if (p.notified or p.finished or p.asked or not e.peers.is_current(peer)
-                    or not self._all_written(p)):
-                return
-            if p.attached:  # the last WRITEs carried them: NIXL sent them as it saw each done
-                self._notified(p)
-                return
-            try:
-                self._notify_all(p)
-            except NixlError:  # poll() tries again and fails the push if it must
-                return
+
+        def written() -> None:
+            with p.lock:
+                if (p.notified or p.finished or p.asked or not e.peers.is_current(peer)
+                        or not self._all_written(p)):
+                    return
+                if p.attached:  # the last WRITEs carried them: NIXL sent them as it saw each done
+                    self._notified(p)
+                    return
+                try:
+                    self._notify_all(p)
+                except NixlError:  # poll() tries again and fails the push if it must
+                    return
+
+        e.drive(list(p.posted), written)
 
     def _all_written(self, p: Push) -> bool:
         """Every WRITE posted for ``p`` so far was seen complete (released ones were)."""
@@ -252,13 +255,16 @@ class PushWrites(PrefillMode):
         e.report(event)
         if event.error is None and e.config.complete_in_background_s > 0:
             xs = event.parts.values()
-            e.drive(xs)
-            if event.parts:
-                mark("written", p.tag, layers="all" if layers is None else ",".join(map(str, layers)))
-            if p.attached and all(e.agent.state(x) == "DONE" for x in xs):
-                with p.lock:
-                    if not p.notified:
-                        self._notified(p)
+
+            def written() -> None:
+                if event.parts:
+                    mark("written", p.tag, layers="all" if layers is None else ",".join(map(str, layers)))
+                if p.attached and all(e.agent.state(x) == "DONE" for x in xs):
+                    with p.lock:
+                        if not p.notified:
+                            self._notified(p)
+
+            e.drive(xs, written)
 
     def _post_job(self, p: Push, peer: Peer, layers: tuple[int, ...] | None,
                   mamba: bool, last: bool = False) -> WritesPosted:

@@ -16,7 +16,7 @@ import logging
 import queue
 import time
 from collections import deque
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
 import zmq
@@ -364,13 +364,14 @@ class RankEngine:
     # ----- events from the worker (caller thread) -----------------------------
     def fileno(self) -> int:
         """A file descriptor that becomes readable when the engine's worker has reported
-        something (a handshake ended, READs were posted) for :meth:`poll` to apply.
+        something (a handshake ended, READs were posted) for :meth:`poll` to apply, or
+        saw a request's transfers complete (``complete_in_background_s``).
 
         Callers that wait in ``select()`` / ``multiprocessing.connection.wait`` between
         ``poll()`` calls can include the engine to call ``poll()`` at once instead of on
-        their next timed round; ``poll()`` makes it unreadable again. Transfers that
-        finish inside NIXL do not wake it: keep polling while requests are in flight.
-        """
+        their next timed round; ``poll()`` makes it unreadable again. Transfers the worker
+        no longer checks (past ``complete_in_background_s``) and a peer's transfers of this
+        rank's blocks do not wake it: keep a timed round while requests are in flight."""
         return self._events.fileno()
 
     def _drain_events(self) -> None:
@@ -437,26 +438,31 @@ class RankEngine:
             done.append(rank)
         return done, None
 
-    def drive(self, transfers: Iterable[Transfer]) -> None:
+    def drive(self, transfers: Iterable[Transfer], then: Callable[[], None] | None = None) -> None:
         """Worker thread: check the transfers just posted until none is in progress, for at
-        most ``complete_in_background_s`` (then ``poll()`` goes on checking them).
+        most ``complete_in_background_s`` (then ``poll()`` goes on checking them), then call
+        ``then`` there. Returns at once: the checks run between the worker's later jobs and
+        every 50 µs while it has none (:meth:`Worker.watch`), so the next request's posts
+        do not wait for these transfers. Telemetry records completion when a check first
+        sees it: without this a transfer would be seen done, and timed, only at the owner's
+        next ``poll()`` (once per vLLM step). When every transfer is seen complete,
+        :meth:`fileno` becomes readable. The owner may release a transfer meanwhile: its
+        state then reads "ERR" and it is no longer checked here."""
+        pending, end = list(transfers), time.monotonic() + self.config.complete_in_background_s
 
-        Over UCX in host memory a READ (or WRITE) of large descriptors finishes only while
-        someone checks it (each check lets NIXL progress), and its telemetry records completion
-        when a check first sees it: without this the READ would progress, and be timed,
-        only at the owner's next ``poll()`` (once per vLLM step). Between checks the
-        thread sleeps briefly, releasing the agent lock and the GIL. The owner may release a
-        READ meanwhile (done, failed or timed out): its state then reads "ERR" and it is
-        no longer checked here.
-        """
-        e = self
-        pending = list(transfers)
-        end = time.monotonic() + e.config.complete_in_background_s
-        while pending:
-            pending = [x for x in pending if e.agent.state(x) == "PROC"]
-            if not pending or time.monotonic() > end:
-                return
-            time.sleep(0.00005)
+        def check() -> bool:
+            nonlocal pending
+            pending = [x for x in pending if self.agent.state(x) == "PROC"]
+            if pending and time.monotonic() <= end:
+                return False
+            if not pending:
+                self._events.wake()
+            if then is not None:
+                then()
+            return True
+
+        if not check():
+            self._worker.watch(check)
 
     def drop_transfers(self, transfers: Iterable[Transfer]) -> None:
         """Give transfers up: release their handles, except those still in progress, which

@@ -24,6 +24,12 @@ a process whose threads are bound to one core (vLLM's CPU workers) otherwise
 copies host memory on that core, between the forward pass's own work; on
 other CPUs the copies overlap the computation.
 
+A job that must see its transfers complete does not wait for them: it leaves a
+check (:meth:`Worker.watch`), which the worker runs after every later job and,
+while no job waits, every ``watch_interval_s`` (50 µs), until the check says it
+is finished. So a request's posts never wait behind the completion of the
+request before it, and transfers of several requests are in flight at once.
+
 Jobs report through an :class:`EventQueue`: besides the events it holds a
 wake-up pipe that becomes readable when an event is queued, so a caller waiting
 in ``select()`` (the engines' ``fileno()``) runs ``poll()`` as soon as the worker
@@ -64,6 +70,11 @@ class EventQueue:
 
     def put(self, event: object) -> None:
         self._q.put(event)
+        self.wake()
+
+    def wake(self) -> None:
+        """Make :meth:`fileno` readable without queuing an event (something the owner's next
+        ``poll()`` checks by itself has changed, e.g. a transfer completed)."""
         with self._lock:
             if self._closed:
                 return
@@ -105,12 +116,14 @@ class EventQueue:
 
 
 class Worker:
-    """One background thread that runs :data:`Job` callables in submission order."""
+    """One background thread that runs :data:`Job` callables in submission order, and
+    between them the checks its jobs asked it to :meth:`watch`."""
 
     def __init__(self, agent: NixlAgent, name: str, progress_interval_s: float,
                  cpus: Sequence[int] | None = None, *, idle_interval_s: float | None = None,
                  busy: Callable[[], bool] | None = None,
-                 on_start: Callable[[], None] | None = None) -> None:
+                 on_start: Callable[[], None] | None = None,
+                 watch_interval_s: float = 0.00005) -> None:
         self._agent = agent
         #: called first on the thread (e.g. to make the cache's GPU its current device)
         self._on_start = on_start
@@ -122,8 +135,11 @@ class Worker:
         #: the CPUs the thread runs on once started (None: as inherited)
         self.cpus: frozenset[int] | None = None
         self._jobs: queue.Queue[Job | None] = queue.Queue()
-        #: a job is running (read by the owner's thread to hand it the GIL, see
-        #: ``EngineConfig.gil_handoff_s``)
+        #: checks the jobs left to run until they return True (worker thread only)
+        self._watches: list[Callable[[], bool]] = []
+        self._watch_interval = watch_interval_s
+        #: a job is running, or a check it left (read by the owner's thread to hand it the
+        #: GIL, see ``EngineConfig.gil_handoff_s``)
         self.in_job = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
@@ -135,6 +151,24 @@ class Worker:
     def wake(self) -> None:
         """End an idle wait now: the engine became busy (progress at the short interval)."""
         self._jobs.put(_nothing)
+
+    def watch(self, check: Callable[[], bool]) -> None:
+        """From a job (worker thread only): call ``check`` after every later job and, while no
+        job waits, every ``watch_interval_s``, until it returns True (or raises, which is
+        logged). A job that must wait for something (its transfers to complete) leaves a check
+        instead of waiting, so that the jobs behind it (the next request's posts) run at once."""
+        self._watches.append(check)
+
+    def _run_watches(self) -> None:
+        current, self._watches = self._watches, []
+        keep = []
+        for check in current:
+            try:
+                if not check():
+                    keep.append(check)
+            except Exception:  # a bug in the check, not a peer's input: drop it, keep the thread
+                log.exception("%s: a background check failed", self._thread.name)
+        self._watches[:0] = keep  # checks added by the ones that ran go after the older ones
 
     def _timeout(self) -> float | None:
         """How long to wait for a job before letting NIXL progress (None: no timed progress)."""
@@ -172,8 +206,12 @@ class Worker:
                 log.exception("%s: its start-up call failed; it runs on without it", self._thread.name)
         while True:
             try:
-                job = self._jobs.get(timeout=self._timeout())
+                job = self._jobs.get(timeout=self._watch_interval if self._watches else self._timeout())
             except queue.Empty:
+                if self._watches:
+                    self._run_watches()
+                    self.in_job = bool(self._watches)
+                    continue  # (checking a transfer lets NIXL progress too)
                 # no NIXL progress thread (it spins a core): keep connection set-up and
                 # notifications moving while the owner is between poll() calls
                 try:
@@ -189,7 +227,9 @@ class Worker:
             except Exception:  # jobs report their own errors; this is a bug, not a peer's input
                 log.exception("%s: a background job failed", self._thread.name)
             finally:
-                self.in_job = False
+                if self._watches:
+                    self._run_watches()
+                self.in_job = bool(self._watches)
 
 
 def _nothing() -> None:
