@@ -179,17 +179,17 @@ def test_poll_pauses_for_the_worker_only_while_it_has_a_job(monkeypatch, handoff
 
 def test_checks_a_job_leaves_run_between_later_jobs_until_they_are_finished():
     """A job that leaves a check (``Worker.watch``) does not hold up the jobs behind it; the
-    check runs after each of them and while the worker idles, until it returns True. A check
-    that raises is dropped (logged), and the worker goes on."""
+    check runs after each of them and while the worker idles, as often as it asks, until it
+    returns None. A check that raises is dropped (logged), and the worker goes on."""
     agent = CountingAgent()
     w = Worker(agent, "watching", 0.0)  # type: ignore[arg-type]
     gate, log, second_ran = threading.Event(), [], threading.Event()
 
-    def check() -> bool:
+    def check() -> float | None:
         log.append("check")
-        return gate.is_set()
+        return None if gate.is_set() else 0.0005
 
-    def broken() -> bool:
+    def broken() -> float | None:
         raise RuntimeError("a bug in a check")
 
     try:
@@ -211,10 +211,27 @@ def test_checks_a_job_leaves_run_between_later_jobs_until_they_are_finished():
         w.close(5)
 
 
+def test_close_runs_the_checks_left_to_their_end():
+    agent = CountingAgent()
+    w = Worker(agent, "closing", 0.0)  # type: ignore[arg-type]
+    ends: list[float] = []
+    t0 = time.monotonic()
+
+    def check() -> float | None:
+        if time.monotonic() - t0 < 0.3:
+            return 0.001
+        ends.append(time.monotonic())
+        return None
+
+    w.submit(lambda: w.watch(check))
+    w.close(10)
+    assert len(ends) == 1 and not w.in_job
+
+
 def test_drive_returns_at_once_and_wakes_the_owner_when_the_transfers_complete(monkeypatch):
     """``RankEngine.drive`` leaves its checks to the worker: the next job (the next request's
-    posts) runs before these transfers complete; when they do, ``then`` runs and the engine's
-    ``fileno()`` becomes readable, so an owner waiting on it polls at once."""
+    posts) runs before these transfers complete; when they do, ``then`` runs and only then
+    the engine's ``fileno()`` becomes readable, so an owner waiting on it polls at once."""
     import select
 
     decode = LocalRanks.start("d", D, [0], 8, CFG, serve=False)
@@ -238,15 +255,23 @@ def test_drive_returns_at_once_and_wakes_the_owner_when_the_transfers_complete(m
 
 
 def test_drive_gives_up_checking_after_complete_in_background_s(monkeypatch):
-    decode = LocalRanks.start("d", D, [0], 8, replace(CFG, complete_in_background_s=0.2), serve=False)
+    """Past the deadline ``then`` runs, the next jobs have run meanwhile, and the owner is not
+    woken (the transfer is not complete: ``poll()`` goes on checking it)."""
+    import select
+
+    decode = LocalRanks.start("d", D, [0], 8, replace(CFG, complete_in_background_s=0.3), serve=False)
     dec = decode.engines[0]
     monkeypatch.setattr(dec.agent, "state", lambda t: "PROC")
-    called = threading.Event()
+    called, order = threading.Event(), []
     try:
+        dec.poll()
         t0 = time.monotonic()
-        dec.submit(lambda: dec.drive([object()], called.set))
+        dec.submit(lambda: dec.drive([object()], lambda: (order.append("then"), called.set())))
+        dec.submit(lambda: order.append("next job"))
         assert called.wait(10)
-        assert 0.15 < time.monotonic() - t0 < 5
+        assert 0.25 < time.monotonic() - t0 < 5
+        assert order == ["next job", "then"]
+        assert not select.select([dec], [], [], 0.1)[0]
         deadline = time.monotonic() + 5
         while dec._worker.in_job and time.monotonic() < deadline:
             time.sleep(0.01)

@@ -255,11 +255,12 @@ class PushWrites(PrefillMode):
         e.report(event)
         if event.error is None and e.config.complete_in_background_s > 0:
             xs = event.parts.values()
+            carried = last and p.attached  # these WRITEs carry the notifications (not earlier ones)
 
             def written() -> None:
                 if event.parts:
                     mark("written", p.tag, layers="all" if layers is None else ",".join(map(str, layers)))
-                if p.attached and all(e.agent.state(x) == "DONE" for x in xs):
+                if carried and all(e.agent.state(x) == "DONE" for x in xs):
                     with p.lock:
                         if not p.notified:
                             self._notified(p)

@@ -439,30 +439,31 @@ class RankEngine:
         return done, None
 
     def drive(self, transfers: Iterable[Transfer], then: Callable[[], None] | None = None) -> None:
-        """Worker thread: check the transfers just posted until none is in progress, for at
-        most ``complete_in_background_s`` (then ``poll()`` goes on checking them), then call
-        ``then`` there. Returns at once: the checks run between the worker's later jobs and
-        every 50 µs while it has none (:meth:`Worker.watch`), so the next request's posts
-        do not wait for these transfers. Telemetry records completion when a check first
-        sees it: without this a transfer would be seen done, and timed, only at the owner's
-        next ``poll()`` (once per vLLM step). When every transfer is seen complete,
-        :meth:`fileno` becomes readable. The owner may release a transfer meanwhile: its
-        state then reads "ERR" and it is no longer checked here."""
+        """Worker thread: have the transfers just posted checked (:meth:`Worker.watch`: between
+        later jobs, every 50 µs backing off to 1 ms) until none is in progress, for at most
+        ``complete_in_background_s`` (then ``poll()`` goes on), then call ``then`` there and,
+        if all completed, make :meth:`fileno` readable. Returns at once, so the next request's
+        posts do not wait; telemetry times completion when a check first sees it."""
         pending, end = list(transfers), time.monotonic() + self.config.complete_in_background_s
-
-        def check() -> bool:
-            nonlocal pending
-            pending = [x for x in pending if self.agent.state(x) == "PROC"]
+        gap = 0.00005
+        def check() -> float | None:
+            nonlocal pending, gap
+            try:
+                pending = [x for x in pending if self.agent.state(x) == "PROC"]
+            except NixlError:  # the agent was closed: nothing is in progress any more
+                pending = []
             if pending and time.monotonic() <= end:
-                return False
-            if not pending:
-                self._events.wake()
-            if then is not None:
-                then()
-            return True
+                wait, gap = gap, min(2 * gap, 0.001)
+                return wait
+            try:
+                if then is not None:
+                    then()
+            finally:
+                if not pending:
+                    self._events.wake()
+            return None
 
-        if not check():
-            self._worker.watch(check)
+        self._worker.watch(check)
 
     def drop_transfers(self, transfers: Iterable[Transfer]) -> None:
         """Give transfers up: release their handles, except those still in progress, which

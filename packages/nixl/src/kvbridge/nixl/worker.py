@@ -25,10 +25,11 @@ copies host memory on that core, between the forward pass's own work; on
 other CPUs the copies overlap the computation.
 
 A job that must see its transfers complete does not wait for them: it leaves a
-check (:meth:`Worker.watch`), which the worker runs after every later job and,
-while no job waits, every ``watch_interval_s`` (50 µs), until the check says it
-is finished. So a request's posts never wait behind the completion of the
-request before it, and transfers of several requests are in flight at once.
+check (:meth:`Worker.watch`), which the worker runs when it is due, after a job
+or while no job waits, until the check says it is finished; the check says when
+it wants to run again. So a request's posts never wait behind the completion of
+the request before it, and transfers of several requests are in flight at once.
+Checks do not run while a job runs (a handshake delays them by its length).
 
 Jobs report through an :class:`EventQueue`: besides the events it holds a
 wake-up pipe that becomes readable when an event is queued, so a caller waiting
@@ -42,6 +43,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 
 from .agent import NixlAgent
@@ -49,6 +51,8 @@ from .agent import NixlAgent
 log = logging.getLogger("kvbridge.nixl")
 
 Job = Callable[[], None]
+#: a check left by a job: returns None when finished, else seconds until it wants to run again
+Check = Callable[[], "float | None"]
 
 
 class EventQueue:
@@ -122,8 +126,7 @@ class Worker:
     def __init__(self, agent: NixlAgent, name: str, progress_interval_s: float,
                  cpus: Sequence[int] | None = None, *, idle_interval_s: float | None = None,
                  busy: Callable[[], bool] | None = None,
-                 on_start: Callable[[], None] | None = None,
-                 watch_interval_s: float = 0.00005) -> None:
+                 on_start: Callable[[], None] | None = None) -> None:
         self._agent = agent
         #: called first on the thread (e.g. to make the cache's GPU its current device)
         self._on_start = on_start
@@ -135,9 +138,8 @@ class Worker:
         #: the CPUs the thread runs on once started (None: as inherited)
         self.cpus: frozenset[int] | None = None
         self._jobs: queue.Queue[Job | None] = queue.Queue()
-        #: checks the jobs left to run until they return True (worker thread only)
-        self._watches: list[Callable[[], bool]] = []
-        self._watch_interval = watch_interval_s
+        #: checks the jobs left, with the monotonic time each is due (worker thread only)
+        self._watches: list[tuple[float, Check]] = []
         #: a job is running, or a check it left (read by the owner's thread to hand it the
         #: GIL, see ``EngineConfig.gil_handoff_s``)
         self.in_job = False
@@ -152,23 +154,35 @@ class Worker:
         """End an idle wait now: the engine became busy (progress at the short interval)."""
         self._jobs.put(_nothing)
 
-    def watch(self, check: Callable[[], bool]) -> None:
-        """From a job (worker thread only): call ``check`` after every later job and, while no
-        job waits, every ``watch_interval_s``, until it returns True (or raises, which is
-        logged). A job that must wait for something (its transfers to complete) leaves a check
-        instead of waiting, so that the jobs behind it (the next request's posts) run at once."""
-        self._watches.append(check)
+    def watch(self, check: Check) -> None:
+        """From a job (worker thread only): call ``check`` once this job ends, and again after
+        the delay each call returns, between later jobs or while no job waits, until it
+        returns None (or raises, which is logged). A job that must wait for something (its
+        transfers to complete) leaves a check instead of waiting, so that the jobs behind it
+        (the next request's posts) run at once. :meth:`close` runs the checks left to the end."""
+        self._watches.append((0.0, check))
 
     def _run_watches(self) -> None:
+        """Run the checks that are due."""
+        now = time.monotonic()
         current, self._watches = self._watches, []
         keep = []
-        for check in current:
+        for due, check in current:
+            if due > now:
+                keep.append((due, check))
+                continue
             try:
-                if not check():
-                    keep.append(check)
+                again = check()
             except Exception:  # a bug in the check, not a peer's input: drop it, keep the thread
                 log.exception("%s: a background check failed", self._thread.name)
+                continue
+            if again is not None:
+                keep.append((time.monotonic() + again, check))
         self._watches[:0] = keep  # checks added by the ones that ran go after the older ones
+
+    def _next_due(self) -> float:
+        """Seconds until the earliest check is due (0: now)."""
+        return max(0.0, min(due for due, _ in self._watches) - time.monotonic())
 
     def _timeout(self) -> float | None:
         """How long to wait for a job before letting NIXL progress (None: no timed progress)."""
@@ -183,7 +197,8 @@ class Worker:
         return self._interval if busy else self._idle_interval
 
     def close(self, timeout_s: float) -> None:
-        """Stop after the jobs already submitted (waits at most ``timeout_s``)."""
+        """Stop after the jobs already submitted and the checks they left (waits at most
+        ``timeout_s``)."""
         self._jobs.put(None)
         self._thread.join(timeout=timeout_s)
 
@@ -206,7 +221,7 @@ class Worker:
                 log.exception("%s: its start-up call failed; it runs on without it", self._thread.name)
         while True:
             try:
-                job = self._jobs.get(timeout=self._watch_interval if self._watches else self._timeout())
+                job = self._jobs.get(timeout=self._next_due() if self._watches else self._timeout())
             except queue.Empty:
                 if self._watches:
                     self._run_watches()
@@ -220,6 +235,10 @@ class Worker:
                     log.debug("%s: background NIXL progress failed: %s", self._thread.name, exc)
                 continue
             if job is None:
+                while self._watches:  # each check ends by its own deadline
+                    time.sleep(self._next_due())
+                    self._run_watches()
+                self.in_job = False
                 return
             self.in_job = True
             try:
