@@ -163,7 +163,7 @@ class Worker:
         self._watches.append((0.0, check))
 
     def _run_watches(self) -> None:
-        """Run the checks that are due."""
+        """Run the checks that are due; ``in_job`` then says whether any is left."""
         now = time.monotonic()
         current, self._watches = self._watches, []
         keep = []
@@ -179,6 +179,7 @@ class Worker:
             if again is not None:
                 keep.append((time.monotonic() + again, check))
         self._watches[:0] = keep  # checks added by the ones that ran go after the older ones
+        self.in_job = bool(self._watches)
 
     def _next_due(self) -> float:
         """Seconds until the earliest check is due (0: now)."""
@@ -225,7 +226,6 @@ class Worker:
             except queue.Empty:
                 if self._watches:
                     self._run_watches()
-                    self.in_job = bool(self._watches)
                     continue  # (checking a transfer lets NIXL progress too)
                 # no NIXL progress thread (it spins a core): keep connection set-up and
                 # notifications moving while the owner is between poll() calls
@@ -238,7 +238,6 @@ class Worker:
                 while self._watches:  # each check ends by its own deadline
                     time.sleep(self._next_due())
                     self._run_watches()
-                self.in_job = False
                 return
             self.in_job = True
             try:
@@ -246,9 +245,7 @@ class Worker:
             except Exception:  # jobs report their own errors; this is a bug, not a peer's input
                 log.exception("%s: a background job failed", self._thread.name)
             finally:
-                if self._watches:
-                    self._run_watches()
-                self.in_job = bool(self._watches)
+                self._run_watches()
 
 
 def _nothing() -> None:
