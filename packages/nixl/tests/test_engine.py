@@ -36,6 +36,15 @@ CFG = EngineConfig(agent=AgentConfig(num_threads=0), lease_s=30, handshake_timeo
                    transfer_timeout_s=10)
 
 
+
+def poll_round(engine):
+    """``engine.poll()``, with its round surely run: ``poll()`` skips the round while the
+    worker thread is inside a NIXL call (idle progress, a transfer check). The agent's lock
+    is reentrant, so holding it here waits that call out and keeps the worker off."""
+    with engine.agent.turn():
+        return engine.poll()
+
+
 class Pair:
     """A decode engine (TP 1, not served) and a prefill engine in this process."""
 
@@ -324,13 +333,13 @@ def test_a_read_that_never_completes_times_out_and_is_kept_until_it_ends(monkeyp
         assert 0.4 <= elapsed < 3, elapsed
         assert pair.dec.stats.failures == {"timeout": 1} and pair.dec.pending == 0
         for _ in range(10):  # still in progress: both READs (one per prefill rank) are kept
-            pair.dec.poll()
+            poll_round(pair.dec)
         assert pair.dec.resource_counts()["transfers"] == base["transfers"] + P.tp_size
         assert refusals == [1] and pair.dec.stats.late_transfers == 0
         state[0] = "DONE" if ending == "completes" else "ERR"
-        pair.dec.poll()  # both ended; NIXL refuses one release
+        poll_round(pair.dec)  # both ended; NIXL refuses one release
         assert pair.dec.resource_counts()["transfers"] == base["transfers"] + 1
-        pair.dec.poll()
+        poll_round(pair.dec)
         assert pair.dec.resource_counts() == base
         assert pair.dec.stats.late_transfers == (P.tp_size if ending == "completes" else 0)
         monkeypatch.undo()
@@ -470,7 +479,7 @@ def test_push_expect_with_no_blocks_completes_and_keeps_nothing():
     pair = Pair(replace(CFG, mode="push"))
     try:
         pair.dec.expect("a", "prefill", 2, "tok", ((),))
-        assert pair.dec.poll().done == ["a"]
+        assert poll_round(pair.dec).done == ["a"]
         assert pair.dec.pending == 0 and not pair.dec._loads
     finally:
         pair.close()
@@ -594,7 +603,7 @@ def test_release_frees_prefill_blocks_without_reporting(pair):
     _, _, released = pair.run(lambda d, f, r: len(r) == 2)
     assert {(r.request_id, r.reason) for r in released} == {("a", "notified")}
     time.sleep(0.1)
-    ev = pair.dec.poll()
+    ev = poll_round(pair.dec)
     assert ev.done == [] and ev.failed == [] and pair.dec.pending == 0
     assert pair.dec.stats.transfers == 0 and not pair.dec._silent
     with pytest.raises(ValueError, match="request_id"):

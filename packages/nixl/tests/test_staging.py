@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from test_engine import CFG, P, Pair
+from test_engine import CFG, P, Pair, poll_round
 
 from kvbridge.nixl import FailureKind
 from kvbridge.nixl.staging import StagingArea, desc_addresses, runs, worth_staging
@@ -232,11 +232,14 @@ def test_a_staged_read_that_times_out_keeps_its_bytes_until_it_ends(monkeypatch)
         assert [(f.request_id, f.kind) for f in failed] == [("a", FailureKind.TIMEOUT)]
         assert pair.dec.stats.staged_reads == 2  # both READs were staged
         assert time.monotonic() - t0 < 5
-        pair.dec.poll()
         held = 4 * sum(t.shape[1] for t in pair.dc.regions)  # both READs: whole blocks
-        assert pair.dec.staging.bytes_in_use == held
+        for _ in range(10):  # still "in progress": their bytes stay held
+            poll_round(pair.dec)
+            assert pair.dec.staging.bytes_in_use == held
         monkeypatch.undo()  # the READs are seen complete: late, and their bytes come back
-        pair.dec.poll()
+        end = time.monotonic() + 5
+        while pair.dec.staging.bytes_in_use and time.monotonic() < end:
+            poll_round(pair.dec)
         assert pair.dec.staging.bytes_in_use == 0
         assert pair.dec.stats.late_transfers == 2
     finally:
