@@ -234,14 +234,16 @@ def test_drive_returns_at_once_and_wakes_the_owner_when_the_transfers_complete(m
     the engine's ``fileno()`` becomes readable, so an owner waiting on it polls at once."""
     import select
 
-    decode = LocalRanks.start("d", D, [0], 8, CFG, serve=False)
+    # a deadline no loaded machine reaches: this test is about completion, not giving up
+    decode = LocalRanks.start("d", D, [0], 8, replace(CFG, complete_in_background_s=60), serve=False)
     dec = decode.engines[0]
     gate, order = threading.Event(), []
     monkeypatch.setattr(dec.agent, "state", lambda t: "DONE" if gate.is_set() else "PROC")
     try:
         dec.poll()
-        dec.submit(lambda: dec.drive([object()], lambda: order.append("checked")))
-        dec.submit(lambda: order.append("next job"))
+        # the next job is queued before the driving job ends (no race with the check's timing)
+        dec.submit(lambda: (dec.drive([object()], lambda: order.append("checked")),
+                            dec.submit(lambda: order.append("next job"))))
         deadline = time.monotonic() + 10
         while "next job" not in order and time.monotonic() < deadline:
             time.sleep(0.005)
@@ -266,8 +268,8 @@ def test_drive_gives_up_checking_after_complete_in_background_s(monkeypatch):
     try:
         dec.poll()
         t0 = time.monotonic()
-        dec.submit(lambda: dec.drive([object()], lambda: (order.append("then"), called.set())))
-        dec.submit(lambda: order.append("next job"))
+        dec.submit(lambda: (dec.drive([object()], lambda: (order.append("then"), called.set())),
+                            dec.submit(lambda: order.append("next job"))))
         assert called.wait(10)
         assert 0.25 < time.monotonic() - t0 < 5
         assert order == ["next job", "then"]
