@@ -73,6 +73,10 @@ def test_a_read_given_up_in_progress_is_kept_until_it_ends_and_counted_late(monk
         params = parent.recv()
         decode = LocalRanks.start("d", D, [0], NB, CFG, serve=False)
         dec, cache = decode.engines[0], decode.caches[0]
+        # the handshake first: the short transfer timeout is for the READs, not the handshake
+        # (over TCP, on a loaded machine, the first connection can take longer than 1 s)
+        dec.prepare(params["warm"])
+        _poll(dec, lambda d, f: dec.stats.handshakes == 1, timeout_s=60)
         dec.load("warm", params["warm"], ([2],))
         assert _poll(dec, lambda d, f: d or f) == (["warm"], [])
         base = dec.resource_counts()
