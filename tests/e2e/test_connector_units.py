@@ -63,9 +63,11 @@ def test_prometheus_metrics_observe_per_transfer_and_count_failures() -> None:
     data = KVBridgeStats().data
     data["transfer_duration"] += [0.5, 0.25]
     data["failed_transfers"], data["failed_timeouts"], data["expired_leases"] = 1, 2, 4
-    data["requests_without_params"] = 5
+    data["requests_without_params"], data["late_transfers"], data["late_errors"] = 5, 6, 7
     prom.observe(data, 0)
     assert prom._counters["requests_without_params"][0].total == 5
+    assert prom._counters["late_transfers"][0].total == 6
+    assert prom._counters["late_errors"][0].total == 7
     assert prom._hist["transfer_duration"][0].observed == [0.5, 0.25]
     assert prom._counters["failed"][0].total == 3
     assert prom._counters["expired_leases"][0].total == 4

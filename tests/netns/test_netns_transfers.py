@@ -170,7 +170,9 @@ def test_link_down_and_back(hosts, tmp_path):
     assert all(counts["transfers"] == 0 and s.requests_released == len(rids) for s, counts in pstats.values())
     handshakes = sum(s.handshakes for s, _ in dstats.values())
     late = sum(s.late_transfers for s, _ in dstats.values())
+    late_errors = sum(s.late_errors for s, _ in dstats.values())
     print(f"link down: {len(down)} requests posted while down failed after {failed_after:.1f} s "
           f"(transfer_timeout_s {FAST.transfer_timeout_s}); in flight when it went down: {outcome}; "
-          f"READs that completed after their request failed (late): {late}; handshakes in all: {handshakes}")
+          f"READs that completed after their request failed (late): {late}, that ended in error "
+          f"then: {late_errors}; handshakes in all: {handshakes}")
     check_transports(tmp_path, dhost)

@@ -305,7 +305,8 @@ def test_a_read_that_never_completes_times_out_and_is_kept_until_it_ends(monkeyp
     """The READ stays "PROC": the request fails at its timeout with kind timeout and its
     blocks, but the READ's handle is kept (NIXL cannot cancel a transfer in progress) and
     checked on every poll until it ends. One that then completes is counted as late (it
-    wrote into blocks already handed back); a release NIXL refuses is retried."""
+    wrote into blocks already handed back), one that ends in error as a late error (it may
+    have written part); a release NIXL refuses is retried."""
     pair = Pair(replace(CFG, transfer_timeout_s=0.5))
     try:
         pair.dec.load("warm", pair.hold("warm", [2]), ([3],))
@@ -335,13 +336,14 @@ def test_a_read_that_never_completes_times_out_and_is_kept_until_it_ends(monkeyp
         for _ in range(10):  # still in progress: both READs (one per prefill rank) are kept
             poll_round(pair.dec)
         assert pair.dec.resource_counts()["transfers"] == base["transfers"] + P.tp_size
-        assert refusals == [1] and pair.dec.stats.late_transfers == 0
+        assert refusals == [1] and pair.dec.stats.late_transfers == pair.dec.stats.late_errors == 0
         state[0] = "DONE" if ending == "completes" else "ERR"
         poll_round(pair.dec)  # both ended; NIXL refuses one release
         assert pair.dec.resource_counts()["transfers"] == base["transfers"] + 1
         poll_round(pair.dec)
         assert pair.dec.resource_counts() == base
         assert pair.dec.stats.late_transfers == (P.tp_size if ending == "completes" else 0)
+        assert pair.dec.stats.late_errors == (0 if ending == "completes" else P.tp_size)
         monkeypatch.undo()
         pair.dec.load("b", pair.hold("b", [5], seed=4), ([8],))  # the peer was not dropped
         done, failed, _ = pair.run(lambda d, f, r: d or f)

@@ -21,9 +21,11 @@ def test_merge_stats_rules() -> None:
 def test_counter_deltas_between_engine_snapshots() -> None:
     before, now = Stats(), Stats()
     now.requests_done, now.leases_expired, now.notifications_bad_token = 5, 1, 2
+    now.late_transfers, now.late_errors = 4, 6
     now.failures = {"handshake": 1, "timeout": 3}
     d = stats_delta(now, before)
     assert d["requests_done"] == 5 and d["expired_leases"] == 1
+    assert d["late_transfers"] == 4 and d["late_errors"] == 6
     assert d["failed_handshakes"] == 1 and d["failed_timeouts"] == 3
     assert d["ignored_notifications"] == 2 and d["failed_transfers"] == 0
 

@@ -10,12 +10,13 @@ into memory the request no longer owns.
 So :class:`Abandoned` keeps each transfer that was in progress when it was given up,
 unreleased, and checks it on every ``poll()`` until it ends; then it releases it. One
 that *completed* after it was given up wrote into memory already handed back: it is
-counted (``Stats.late_transfers``) and logged as an error, so that operators see it. A
-transfer that had not been posted, or had ended, is released at once; one whose release
-NIXL refuses is retried on every poll. Transfers to a peer that is dropped are released
-with the peer's agent (:meth:`~kvbridge.nixl.agent.NixlAgent.remove_remote`); whether
-they still land is then unknown, as it is for one that ends in error (it may have moved
-part of its bytes): neither is counted.
+counted (``Stats.late_transfers``) and logged as an error, so that operators see it; one
+that ended in error may have moved part of its bytes, and is counted apart
+(``Stats.late_errors``, logged as a warning). A transfer that had not been posted, or had
+ended, is released at once; one whose release NIXL refuses is retried on every poll.
+Transfers to a peer that is dropped are released with the peer's agent
+(:meth:`~kvbridge.nixl.agent.NixlAgent.remove_remote`); whether they still land is then
+unknown, and they are not counted.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ class Abandoned:
         try:
             return self._agent.state(x)
         except NixlError:  # the agent is closed: nothing can progress any more
-            return "ERR"
+            return "CLOSED"
 
     def drop(self, transfers: Iterable[Transfer]) -> None:
         """Give ``transfers`` up: release those not in progress now, keep the others."""
@@ -68,7 +69,7 @@ class Abandoned:
                 self._kept.append(_Kept(x, now, False))
 
     def sweep(self) -> None:
-        """Release the kept transfers that have ended (count those that completed late)."""
+        """Release the kept transfers that have ended (count those that completed or failed late)."""
         if not self._kept:
             return
         keep = []
@@ -88,6 +89,11 @@ class Abandoned:
                               "its bytes moved after the request's blocks were handed back (NIXL "
                               "cannot cancel a transfer in progress)", x.op, x.peer,
                               time.monotonic() - k.given_up_at)
+                elif st == "ERR":
+                    self._stats.late_errors += 1
+                    log.warning("a %s with %s ended in error %.1f s after its request was given "
+                                "up: part of its bytes may have moved after the request's blocks "
+                                "were handed back", x.op, x.peer, time.monotonic() - k.given_up_at)
             if not self._agent.release_transfer(x):
                 keep.append(k)
         self._kept = keep

@@ -36,6 +36,7 @@ class Stats:
     requests_released: int = 0
     stale_agents_dropped: int = 0
     late_transfers: int = 0  # given up in progress, then completed (bytes moved after the hand-back)
+    late_errors: int = 0  # given up in progress, then ended in error (part of its bytes may have moved)
     failures: dict[str, int] = field(default_factory=dict)
 
     def fail(self, kind: str) -> None:

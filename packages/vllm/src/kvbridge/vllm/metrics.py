@@ -103,6 +103,10 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
                                       "Transfers that completed after their request was given "
                                       "up (timed out): their bytes moved after the blocks were "
                                       "handed back. Should stay 0; see the kvbridge docs."),
+            "late_errors": counter("vllm:kvbridge_num_late_errors",
+                                   "Transfers that ended in error after their request was given "
+                                   "up (timed out): part of their bytes may have moved after the "
+                                   "blocks were handed back. Should stay 0."),
             "requests_without_params": counter(
                 "vllm:kvbridge_num_requests_without_params",
                 "Requests a decode (kv_consumer or kv_both) engine got without "
@@ -120,6 +124,6 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
         if failed:
             self._counters["failed"][engine_idx].inc(failed)
         for key in ("failed_handshakes", "expired_leases", "ignored_notifications", "requests_done",
-                    "requests_without_params", "staged_reads", "late_transfers"):
+                    "requests_without_params", "staged_reads", "late_transfers", "late_errors"):
             if d.get(key):
                 self._counters[key][engine_idx].inc(int(d[key]))

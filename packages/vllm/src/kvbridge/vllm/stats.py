@@ -33,7 +33,7 @@ OBSERVATIONS = ("transfer_duration", "post_duration", "bytes_transferred", "num_
 COUNTS = ("requests_done", "requests_failed", "failed_handshakes", "failed_transfers",
           "failed_posts", "failed_timeouts", "expired_leases", "released_requests",
           "ignored_notifications", "renewed_leases", "requests_without_params", "staged_reads",
-          "late_transfers")
+          "late_transfers", "late_errors")
 
 
 def empty_stats() -> dict[str, Any]:
@@ -116,6 +116,7 @@ def stats_delta(now: Stats, before: Stats) -> dict[str, int]:
         "renewed_leases": diff("leases_renewed"),
         "staged_reads": diff("staged_reads"),
         "late_transfers": diff("late_transfers"),
+        "late_errors": diff("late_errors"),
     }
 
 
