@@ -721,7 +721,7 @@ def test_host_caches_go_onto_huge_pages_before_registration():
 
 def _assert_no_unknown_notifications(pair) -> None:
     time.sleep(0.2)
-    pair.dec.poll()
+    poll_round(pair.dec)
     for e in pair.pre:
         e.poll()
         assert e.stats.notifications_unknown == 0

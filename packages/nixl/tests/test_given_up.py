@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 from test_engine import CFG, P, Pair
 
-from kvbridge.nixl import FailureKind
+from kvbridge.nixl import FailureKind, NixlError
 from kvbridge.tools.synthetic_cache import logical_kv
 
 pytestmark = pytest.mark.timeout(120)
@@ -129,3 +129,44 @@ def test_reads_posted_just_before_the_timeout_are_given_up_with_the_request(monk
         assert dec.resource_counts() == base
     finally:
         pair.close()
+
+
+class _KeptAgent:
+    """The two calls :class:`Abandoned` makes, for a transfer it keeps: ``state`` reports
+    ``ending`` once ended (and raises NixlError once the agent is closed)."""
+
+    def __init__(self) -> None:
+        self.ending: str | None = None
+        self.closed = False
+
+    def state(self, x) -> str:
+        if self.closed:
+            raise NixlError("NIXL agent 'decode' is closed")
+        return self.ending or "PROC"
+
+    def release_transfer(self, x) -> bool:
+        x.released = True
+        return True
+
+
+@pytest.mark.parametrize(("ending", "late", "errors"), [("DONE", 1, 0), ("ERR", 0, 1), ("closed", 0, 0)])
+def test_a_kept_transfer_is_counted_by_how_it_ended(ending, late, errors, caplog):
+    """Kept while in progress; then released and counted: completed late, ended in error late,
+    or neither when the agent was closed meanwhile (nothing is known of it then)."""
+    from types import SimpleNamespace
+
+    from kvbridge.nixl.abandoned import Abandoned
+    from kvbridge.nixl.stats import Stats
+
+    agent, stats = _KeptAgent(), Stats()
+    kept = Abandoned(agent, stats)  # type: ignore[arg-type]
+    x = SimpleNamespace(released=False, op="READ", peer="prefill/p0")
+    kept.drop([x])
+    kept.sweep()
+    assert len(kept) == 1 and not x.released  # in progress: kept
+    agent.closed, agent.ending = ending == "closed", None if ending == "closed" else ending
+    with caplog.at_level(logging.WARNING, logger="kvbridge.nixl"):
+        kept.sweep()
+    assert len(kept) == 0 and x.released
+    assert (stats.late_transfers, stats.late_errors) == (late, errors)
+    assert len(caplog.records) == late + errors

@@ -253,6 +253,7 @@ def test_drive_returns_at_once_and_wakes_the_owner_when_the_transfers_complete(m
         assert select.select([dec], [], [], 10)[0]
         assert order == ["next job", "checked"]
     finally:
+        gate.set()  # a failed assertion must not leave the check running to its deadline
         decode.close()
 
 
