@@ -36,6 +36,7 @@ CFG = EngineConfig(agent=AgentConfig(num_threads=0), lease_s=30, handshake_timeo
                    transfer_timeout_s=10)
 
 
+
 def poll_round(engine):
     """``engine.poll()``, with its round surely run: ``poll()`` skips the round while the
     worker thread is inside a NIXL call (idle progress, a transfer check). The agent's lock

@@ -123,6 +123,7 @@ class KVBridgePromMetrics(KVConnectorPromMetrics):
                                                  "failed_posts", "failed_timeouts"))
         if failed:
             self._counters["failed"][engine_idx].inc(failed)
-        for key, metric in self._counters.items():  # the others count their stats key as is
-            if key != "failed" and d.get(key):
-                metric[engine_idx].inc(int(d[key]))
+        for key in ("failed_handshakes", "expired_leases", "ignored_notifications", "requests_done",
+                    "requests_without_params", "staged_reads", "late_transfers", "late_errors"):
+            if d.get(key):
+                self._counters[key][engine_idx].inc(int(d[key]))
