@@ -336,10 +336,12 @@ def test_a_read_that_never_completes_times_out_and_is_kept_until_it_ends(monkeyp
         for _ in range(10):  # still in progress: both READs (one per prefill rank) are kept
             poll_round(pair.dec)
         assert pair.dec.resource_counts()["transfers"] == base["transfers"] + P.tp_size
+        assert pair.dec.resource_counts()["kept_transfers"] == P.tp_size
         assert refusals == [1] and pair.dec.stats.late_transfers == pair.dec.stats.late_errors == 0
         state[0] = "DONE" if ending == "completes" else "ERR"
         poll_round(pair.dec)  # both ended; NIXL refuses one release
         assert pair.dec.resource_counts()["transfers"] == base["transfers"] + 1
+        assert pair.dec.resource_counts()["kept_transfers"] == 1  # retried on the next round
         poll_round(pair.dec)
         assert pair.dec.resource_counts() == base
         assert pair.dec.stats.late_transfers == (P.tp_size if ending == "completes" else 0)

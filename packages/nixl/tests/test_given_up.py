@@ -123,6 +123,7 @@ def test_reads_posted_just_before_the_timeout_are_given_up_with_the_request(monk
         _, failed, _ = pair.run(lambda d, f, r: f)
         assert [(f.request_id, f.kind) for f in failed] == [("a", FailureKind.TIMEOUT)]
         assert dec.resource_counts()["transfers"] == base["transfers"] + P.tp_size  # kept
+        assert dec.resource_counts()["kept_transfers"] == P.tp_size and base["kept_transfers"] == 0
         in_progress[0] = False  # the READs complete, after the request was given up
         time.sleep(1.2)  # the posting event arrives meanwhile
         pair.run(lambda d, f, r: dec.stats.late_transfers == P.tp_size, timeout=5)

@@ -475,10 +475,9 @@ class RankEngine:
         self._abandoned.sweep()
 
     def resource_counts(self) -> dict[str, int]:
-        """The agent's live resources (:meth:`NixlAgent.counts`) and the number of known peers."""
-        c = self.agent.counts()
-        c["peers"] = len(self.peers)
-        return c
+        """The agent's live resources (:meth:`NixlAgent.counts`), known ``peers``, and those of
+        ``transfers`` given up in progress and kept until they end (``kept_transfers``)."""
+        return {**self.agent.counts(), "peers": len(self.peers), "kept_transfers": len(self._abandoned)}
 
     # ----- teardown ---------------------------------------------------------
     def close(self) -> None:
