@@ -13,7 +13,7 @@ from __future__ import annotations
 import random
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import msgspec
 import zmq
@@ -94,13 +94,18 @@ def garbage_side_channel(host: str, port: int, rng: random.Random, messages: int
 
 def forge_notifications(host: str, port: int, ranks: Sequence[int], engine_id: str,
                         compat_hash: str, in_flight: Sequence[str], rng: random.Random,
-                        kind: Kind = Kind.DONE, sender_tp: int = 1) -> dict[int, int]:
+                        kind: Kind = Kind.DONE, sender_tp: int = 1,
+                        delivered: Callable[[dict[int, int]], bool] = lambda sent: False,
+                        wait_s: float = 10.0) -> dict[int, int]:
     """From a NIXL agent of its own, send each rank of the engine at ``host:port`` forged
     notifications: ``kind`` messages for the request ids ``in_flight`` with wrong tokens,
     for request ids nobody holds, renewals with wrong tokens, and malformed bytes.
 
     The stranger learns the ranks' agents from the side channel as any peer can (no
-    authentication yet). Returns the number of messages sent to each rank.
+    authentication yet). A notification has no completion to wait for, and closing the
+    agent cancels the ones not sent yet, so the agent stays and progresses until
+    ``delivered(sent)`` says they arrived (at most ``wait_s``). Returns the number of
+    messages sent to each rank.
     """
     infos = fetch_metadata(host, port, list(ranks), engine_id=engine_id, compat_hash=compat_hash,
                            timeout=2.0, retries=1)
@@ -118,7 +123,11 @@ def forge_notifications(host: str, port: int, ranks: Sequence[int], engine_id: s
             for m in msgs:
                 agent.notify(peer, m)
             sent[r] = len(msgs)
-        for _ in range(20):  # let the messages leave before the agent goes
-            agent.progress()
-            time.sleep(0.005)
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            for _ in range(4):
+                agent.progress()
+                time.sleep(0.005)
+            if delivered(sent):
+                break
     return sent

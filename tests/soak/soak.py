@@ -43,6 +43,8 @@ RSS_TOL_KIB = 4096
 #: faults after which a probe waits for the survivors' connections to settle (probe_all)
 DEPARTING = {F.KILL_PREFILL_RANK, F.RESTART_PREFILL, F.KILL_DECODE_RANK}
 SETTLE_S = 3.0
+#: how long a probe waits for given-up transfers to end (a frozen peer resumes by then)
+KEPT_S = 5.0
 RELEASE_REASONS = {"notified", "lease-expired", "written", "push-failed"}
 #: sockets a process keeps per peer agent that died: one per UCX worker thread (probes.py)
 LEFT_PER_PEER = CONFIG["agent"].num_threads
@@ -81,6 +83,7 @@ class LaneReport:
     checkpoint: int = 0
     wall_s: float = 0.0
     restarted_checked: int = 0
+    kept_waits: int = 0  # probes that waited for a given-up transfer to end
 
 
 class Lane:
@@ -101,8 +104,10 @@ class Lane:
         self.dead: set[int] = set()  # id() of groups that were killed
         self.departed: Counter = Counter()  # pid -> peer agents that connected to it and went away
         self.group_of: dict[int, int] = {}  # pid -> id() of its engine group
-        #: id() of an engine group -> requests finished when it first completed one ("done")
-        self.first_done: dict[int, int] = {}
+        #: id() of the engine groups that completed a request ("done") with a peer engine that
+        #: is still alive; pid -> the probes (requests finished) that found its group so
+        self.connected: set[int] = set()
+        self.connected_at: dict[int, set[int]] = {}
         waves = -(-requests // WAVE)
         self.waves = waves
         per = max(1, requests // 1000)
@@ -132,6 +137,7 @@ class Lane:
         other = c.decode if role == "p" else c.prefill
         for pid in other.pids:  # every rank of one engine talks to every rank of the other here
             self.departed[pid] += old.spec.tp_size
+        self.connected.discard(id(other))  # until it completes a request with the new engine
         (c.restart_prefill if role == "p" else c.restart_decode)()
         self.incarnation_no[role] += 1
         self._label(c.prefill if role == "p" else c.decode)
@@ -189,9 +195,14 @@ class Lane:
             sender_tp = c.decode.spec.tp_size if self.mode == "pull" else c.prefill.spec.tp_size
             before = self._notif_counts(grp)
             kind_ = Kind.DONE if self.mode == "pull" else Kind.WRITTEN
+
+            def delivered(sent: dict[int, int]) -> bool:  # every rank refused (counted) them all
+                after = self._notif_counts(grp)
+                return all(after[r] - before[r] >= n for r, n in sent.items())
+
             sent = F.forge_notifications(grp.host, grp.port, list(range(grp.spec.tp_size)),
                                          grp.spec.engine_id, _compat(grp), [r.rid for r in wave],
-                                         rng, kind_, sender_tp)
+                                         rng, kind_, sender_tp, delivered)
             return {"forged": (grp, before, sent)}  # a stranger leaves no socket behind
         return None
 
@@ -267,9 +278,9 @@ class Lane:
                         self.fail(f"{r.rid} done with mismatching or unverified bytes: {res.done}")
                     r.outcome = "done"
                     rep.bytes_verified += dtp * r.ntok * per_token
-                    ended = min(self.requests, int(r.rid.rsplit("-", 1)[1]) // WAVE * WAVE + WAVE)
-                    for grp in (r.prefill, r.decode):
-                        self.first_done.setdefault(id(grp), ended)
+                    for grp, peer in ((r.prefill, r.decode), (r.decode, r.prefill)):
+                        if id(peer) not in self.dead:
+                            self.connected.add(id(grp))
             rep.outcomes[r.outcome] += 1
             if id(r.prefill) not in self.dead:
                 if set(res.released) != set(range(r.prefill.spec.tp_size)):
@@ -322,21 +333,28 @@ class Lane:
         two waves; the connections to its processes close asynchronously (the survivor's UCX
         worker notices the broken connection, the side-channel client's ZMQ I/O thread closes
         its sockets), so sample until fds and sockets read the same twice 0.25 s apart (at
-        most :data:`SETTLE_S`)."""
+        most :data:`SETTLE_S`). A transfer given up in progress (a frozen peer) is kept until
+        it ends: sample until no rank keeps one (at most :data:`KEPT_S`, then it counts)."""
         now = self._probe_once()
-        end = time.monotonic() + (SETTLE_S if settle else 0.0)
-        while time.monotonic() < end:
+        t0 = time.monotonic()
+        stable = not settle
+        self.report.kept_waits += any(h["kept_transfers"] for _, (_, h), _ in now.values())
+        while True:
+            waited = time.monotonic() - t0
+            kept = any(h["kept_transfers"] for _, (_, h), _ in now.values())
+            if (stable or waited >= SETTLE_S) and (not kept or waited >= KEPT_S):
+                break
             self.cluster.drain(0.25)
             again = self._probe_once()
-            same = again.keys() == now.keys() and all(
+            stable = again.keys() == now.keys() and all(
                 (a[0].fds, a[0].sockets) == (now[pid][0].fds, now[pid][0].sockets)
                 for pid, a in again.items())
             now = again
-            if same:
-                break
         for pid, (sample, (st, handles), grp) in now.items():
             s = self.report.series.setdefault(pid, Series(self.labels[pid], pid))
             s.add(done_requests, sample, handles, self.departed[pid])
+            if id(grp) in self.connected:
+                self.connected_at.setdefault(pid, set()).add(done_requests)
             if grp.role == "p" and st.requests_released != self.held_by[id(grp)]:
                 self.fail(f"{self.labels[pid]} released {st.requests_released} of "
                           f"{self.held_by[id(grp)]} requests it held")
@@ -388,10 +406,12 @@ class Lane:
                 rep.problems += flatness_problems(s, self.checkpoint, RSS_TOL_KIB, LEFT_PER_PEER)
             elif len(s.points) >= 3:
                 # a restarted incarnation: flat from its second sample on, and from the first one
-                # after it completed a request (connected to its current peer engine: a process
-                # whose first peer died before it completed anything is not in its steady state)
-                start = max(s.points[1][0], self.first_done.get(self.group_of[pid], 1 << 62))
-                if len(s.window(start)) >= 2:
+                # that found it connected (it had completed a request with a peer engine that was
+                # still alive): a process whose peer died before that, or died and was replaced
+                # before the sample, was taken at a state without any peer connection
+                at = sorted(self.connected_at.get(pid, set()) & {n for n, _ in s.points[1:]})
+                if at and len(s.window(at[0])) >= 2:
+                    start = at[0]
                     rep.restarted_checked += 1
                     rep.problems += flatness_problems(s, start, RSS_TOL_KIB, LEFT_PER_PEER)
         if rep.problems:
@@ -423,6 +443,7 @@ def print_table(reports: list[LaneReport], wall_s: float) -> None:
         for k, v in sorted(rep.released.items()):
             out.append(f"| prefill releases: {k} | {v} |")
         out.append(f"| bytes verified | {rep.bytes_verified} ({rep.bytes_verified / 2**20:.1f} MiB) |")
+        out.append(f"| probes that waited for a given-up transfer to end | {rep.kept_waits} |")
         out.append(f"| slowest end (s, bound {CONFIG['transfer_timeout_s'] + 2 * CONFIG['handshake_timeout_s'] + 3:.0f}) "
                    f"| {rep.max_end_s:.2f} |")
         out.append("")
