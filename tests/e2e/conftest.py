@@ -60,14 +60,42 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 item.add_marker(pytest.mark.skip(reason=reason))
 
 
+_WORKDIR = pytest.StashKey[Path]()
+#: lines of each engine or router log written during a failed test that its report shows
+LOG_TAIL_LINES = 60
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+    """A failed test's report ends with the tails of the served logs (engines, routers)
+    written while it ran: CI keeps only what the run printed, and the logs go with the
+    machine."""
+    outcome = yield
+    rep = outcome.get_result()
+    workdir = item.config.stash.get(_WORKDIR, None)
+    if rep.when != "call" or not rep.failed or workdir is None:
+        return
+    for log in sorted(workdir.rglob("*.log")):
+        try:
+            if log.stat().st_mtime < call.start:
+                continue
+            lines = log.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
+        except OSError:
+            continue
+        rep.sections.append((f"served log {log.relative_to(workdir)} (last {len(lines)} lines)",
+                             "\n".join(lines)))
+
+
 @pytest.fixture(scope="session")
-def e2e_workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def e2e_workdir(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Path:
     keep = os.environ.get("KVB_E2E_WORKDIR")
     if keep:
         p = Path(keep)
         p.mkdir(parents=True, exist_ok=True)
-        return p
-    return tmp_path_factory.mktemp("e2e")
+    else:
+        p = tmp_path_factory.mktemp("e2e")
+    request.config.stash[_WORKDIR] = p
+    return p
 
 
 @pytest.fixture(scope="session")
