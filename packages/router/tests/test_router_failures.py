@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import httpx
 import pytest
 from router_fakes import ServerThread, closed_port, wait_until
@@ -154,6 +156,9 @@ def test_decode_dying_mid_stream_ends_the_stream_with_an_error_event(make_cluste
     events = [ln[6:] for ln in raw.splitlines() if ln.startswith("data: ")]
     assert "[DONE]" not in events
     assert "decode instance" in events[-1] and '"error"' in events[-1]
+    # where it broke: after the bytes the client got before the error event, not before headers
+    got = re.search(r"failed mid-request, after (\d+) bytes, [0-9.]+ s after it was sent", events[-1])
+    assert got and int(got[1]) == len(raw) - len(f"data: {events[-1]}\n\n") > 0, events[-1]
     assert c.error_count("decode_failed") == 1
     wait_until(lambda: c.in_flight() == [0, 0], "in-flight back to zero")
 

@@ -289,6 +289,7 @@ class Proxy:
         """False when ``inst`` could not be reached (try another); True once answered."""
         t0 = time.monotonic()
         started = False  # response headers sent to the client
+        got: int | None = None  # bytes of the instance's response body so far (None: no headers)
         metrics = self.metrics
         with self.decode.using(inst):
             try:
@@ -315,9 +316,10 @@ class Proxy:
                             raise RouterError(502, f"decode instance {inst.url} failed with HTTP "
                                               f"{resp.status_code}: {_short(content)}", "upstream_error")
                         ctype = resp.headers.get("content-type", "application/json")
-                        first = True
+                        first, got = True, 0
                         whole: list[bytes] = []
                         async for chunk in resp.aiter_bytes():
+                            got += len(chunk)
                             if first:
                                 metrics.decode_first_byte_seconds.labels(instance=inst.url).observe(
                                     time.monotonic() - t0)
@@ -348,8 +350,10 @@ class Proxy:
             except httpx.HTTPError as e:
                 metrics.error("decode_failed")
                 inst.last_error = describe(e)
+                where = "before its response headers" if got is None else f"after {got} bytes"
                 await self._fail(send, started, request_id, RouterError(
-                    502, f"decode instance {inst.url} failed mid-request ({describe(e)})",
+                    502, f"decode instance {inst.url} failed mid-request, {where}, "
+                    f"{time.monotonic() - t0:.1f} s after it was sent ({describe(e)})",
                     "upstream_error"))
                 return True
         took = time.monotonic() - t0
