@@ -60,7 +60,11 @@ def test_read_with_index_arrays_and_notification(pair, strided):
     assert rl.num_descs == nb and rl.strided is strided
     li = np.array([0, 1, 2, 9], dtype=np.int32)
     ri = np.array([5, 6, 7, 30], dtype=np.int32)
+    b.take_transfers_peak()  # the pair may have made transfers before (module fixture)
     x = b.make_transfer("READ", ll, li, rl, ri, b"done-1")
+    y = b.make_transfer("READ", ll, li, rl, ri)  # never posted: the peak counts handles, not posts
+    y.release()
+    assert (b.take_transfers_peak(), b.take_transfers_peak()) == (2, 1)  # then from x, alive
     assert b.post(x) in ("DONE", "PROC")
     assert _wait(b, x, peer=a) == "DONE"
     tel = b.telemetry(x)

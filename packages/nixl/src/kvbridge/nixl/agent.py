@@ -133,6 +133,7 @@ class NixlAgent:
         self._registrations: list[object] = []
         self._lists: set[PreparedList] = set()
         self._transfers: set[Transfer] = set()
+        self._transfers_peak = 0
         self._remotes: set[str] = set()
         self._closed = False
         self._strided_ok: bool | None = None
@@ -154,6 +155,13 @@ class NixlAgent:
                 "transfers": len(self._transfers),
                 "remote_agents": len(self._remotes),
             }
+
+    def take_transfers_peak(self) -> int:
+        """The most transfer handles alive at once since the last call (or since the agent was
+        made), and start counting again from the handles alive now."""
+        with self._lock:
+            peak, self._transfers_peak = self._transfers_peak, len(self._transfers)
+            return peak
 
     @property
     def remote_agents(self) -> frozenset[str]:
@@ -323,6 +331,7 @@ class NixlAgent:
                 ) from exc
             t = Transfer(self, h, remote.peer, op, int(li.size))
             self._transfers.add(t)
+            self._transfers_peak = max(self._transfers_peak, len(self._transfers))
             return t
 
     def post(self, t: Transfer) -> XferState:

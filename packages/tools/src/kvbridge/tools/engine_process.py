@@ -113,12 +113,12 @@ def _child_loop(conn, role, spec, ranks, num_blocks, config, incarnation, serve_
             elif cmd == "stats":
                 conn.send(("stats", {r: (e.stats, e.resource_counts()) for r, e in engines.items()}))
             elif cmd == "peaks":
-                conn.send(("peaks", {r: (st.peak_requests[r], st.peak_transfers[r]) for r in ranks}))
+                conn.send(("peaks", st.peaks()))
             else:
                 conn.send(("error", f"unknown command {cmd!r}"))
         if not running:
             break
-        st.sample(busy)
+        st.sample()
         for r, e in engines.items():
             if role == "p":
                 for rel in e.poll():
@@ -168,23 +168,26 @@ class _State:
         self.call_us: dict[tuple[int, str], float] = {}
         self.peak_requests = dict.fromkeys(ranks, 0)
         self.peak_transfers = dict.fromkeys(ranks, 0)
+        for e in engines.values():  # from here on: not the warm-up READ of the engine's start
+            e.agent.take_transfers_peak()
 
     def outstanding(self, r: int) -> int:
         """Requests the rank has not finished with: loading or awaited (decode), held (prefill)."""
         e = self.engines[r]
         return e.pending if self.role == "d" else e.held
 
-    def sample(self, busy: bool) -> None:
-        """Update the peaks. The handle count is read only while requests are outstanding and
-        the agent is free (never waiting for the worker thread inside NIXL)."""
+    def sample(self) -> None:
+        """Update the request peaks (the handle peaks come from the agent, exact:
+        :meth:`peaks`)."""
         for r in self.ranks:
-            e = self.engines[r]
-            n = self.outstanding(r)
-            self.peak_requests[r] = max(self.peak_requests[r], n)
-            if busy and n:
-                with e.agent.turn(wait=False) as free:
-                    if free:
-                        self.peak_transfers[r] = max(self.peak_transfers[r], e.agent.counts()["transfers"])
+            self.peak_requests[r] = max(self.peak_requests[r], self.outstanding(r))
+
+    def peaks(self) -> dict[int, tuple[int, int]]:
+        """rank -> (most requests outstanding at once, most NIXL transfer handles alive at once)."""
+        for r in self.ranks:
+            self.peak_transfers[r] = max(self.peak_transfers[r],
+                                         self.engines[r].agent.take_transfers_peak())
+        return {r: (self.peak_requests[r], self.peak_transfers[r]) for r in self.ranks}
 
 
 def _request_command(cmd: str, arg: tuple, st: _State) -> None:

@@ -338,7 +338,9 @@ class Cluster:
     def peaks(self, group: EngineGroup) -> dict[int, tuple[int, int]]:
         """rank -> (most requests outstanding at once, most live NIXL transfer handles at once)
         since the group started: requests loading or awaited on a decode rank, held on a prefill
-        rank; the handle count is sampled once per round of the process's loop."""
+        rank (sampled once per round of the process's loop); handles as the agent counted them
+        (:meth:`~kvbridge.nixl.agent.NixlAgent.take_transfers_peak`, the engine's warm-up
+        left out)."""
         return self._ask(group, "peaks")
 
     def _ask(self, group: EngineGroup, cmd: str) -> dict[int, tuple]:
