@@ -67,13 +67,13 @@ LOG_TAIL_LINES = 60
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
-    """A failed test's report ends with the tails of the served logs (engines, routers)
-    written while it ran: CI keeps only what the run printed, and the logs go with the
-    machine."""
+    """A failed test's report (its body, or a fixture that set it up: an engine that did not
+    start) ends with the tails of the served logs (engines, routers) written meanwhile: CI
+    keeps only what the run printed, and the logs go with the machine."""
     outcome = yield
     rep = outcome.get_result()
     workdir = item.config.stash.get(_WORKDIR, None)
-    if rep.when != "call" or not rep.failed or workdir is None:
+    if rep.when == "teardown" or not rep.failed or workdir is None:
         return
     for log in sorted(workdir.rglob("*.log")):
         try:

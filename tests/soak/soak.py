@@ -43,8 +43,8 @@ RSS_TOL_KIB = 4096
 #: faults after which a probe waits for the survivors' connections to settle (probe_all)
 DEPARTING = {F.KILL_PREFILL_RANK, F.RESTART_PREFILL, F.KILL_DECODE_RANK}
 SETTLE_S = 3.0
-#: how long a probe waits for given-up transfers to end (a frozen peer resumes by then)
-KEPT_S = 5.0
+#: how long a probe waits for given-up transfers to end (a frozen peer runs again by then)
+KEPT_S = 10.0
 RELEASE_REASONS = {"notified", "lease-expired", "written", "push-failed"}
 #: sockets a process keeps per peer agent that died: one per UCX worker thread (probes.py)
 LEFT_PER_PEER = CONFIG["agent"].num_threads
@@ -197,6 +197,8 @@ class Lane:
             kind_ = Kind.DONE if self.mode == "pull" else Kind.WRITTEN
 
             def delivered(sent: dict[int, int]) -> bool:  # every rank refused (counted) them all
+                c._pump(0.005)  # the wave's ends meanwhile count when they came, not after this
+                self._stamp_ends(wave)
                 after = self._notif_counts(grp)
                 return all(after[r] - before[r] >= n for r, n in sent.items())
 
@@ -213,6 +215,12 @@ class Lane:
                          + s.notifications_duplicate + s.notifications_unassigned)
         return out
 
+    def _stamp_ends(self, wave: list[Req]) -> None:
+        now = time.monotonic()
+        for r in wave:
+            if r.t_end is None and self.cluster.ended(r.rid):
+                r.t_end = now
+
     def wait_wave(self, wave: list[Req]) -> None:
         c = self.cluster
         limit = self.bound_s + self.cfg.lease_s + FREEZE_S + 20.0
@@ -225,9 +233,7 @@ class Lane:
                 if id(grp) not in self.dead:
                     grp.signal(i, signal.SIGCONT)
                 self.frozen = None
-            for r in wave:
-                if r.t_end is None and c.ended(r.rid):
-                    r.t_end = now
+            self._stamp_ends(wave)
             ended = all(r.t_end is not None for r in wave)
             if ended and not asked:
                 for conn in c.decode.conns:
@@ -334,7 +340,7 @@ class Lane:
         worker notices the broken connection, the side-channel client's ZMQ I/O thread closes
         its sockets), so sample until fds and sockets read the same twice 0.25 s apart (at
         most :data:`SETTLE_S`). A transfer given up in progress (a frozen peer) is kept until
-        it ends: sample until no rank keeps one (at most :data:`KEPT_S`, then it counts)."""
+        it ends: sample until no rank keeps one; one still kept after :data:`KEPT_S` fails."""
         now = self._probe_once()
         t0 = time.monotonic()
         stable = not settle
@@ -351,6 +357,9 @@ class Lane:
                 for pid, a in again.items())
             now = again
         for pid, (sample, (st, handles), grp) in now.items():
+            if handles["kept_transfers"]:
+                self.fail(f"{self.labels[pid]} still keeps {handles['kept_transfers']} given-up "
+                          f"transfers {KEPT_S:.0f} s after the wave (they never end, or are not swept)")
             s = self.report.series.setdefault(pid, Series(self.labels[pid], pid))
             s.add(done_requests, sample, handles, self.departed[pid])
             if id(grp) in self.connected:

@@ -476,7 +476,7 @@ class RankEngine:
 
     def resource_counts(self) -> dict[str, int]:
         """The agent's live resources (:meth:`NixlAgent.counts`), known ``peers``, and those of
-        ``transfers`` given up in progress and kept until they end (``kept_transfers``)."""
+        ``transfers`` given up and not released yet (``kept_transfers``, :mod:`.abandoned`)."""
         return {**self.agent.counts(), "peers": len(self.peers), "kept_transfers": len(self._abandoned)}
 
     # ----- teardown ---------------------------------------------------------

@@ -305,6 +305,7 @@ class Proxy:
                         log.warning("request %s: decode instance %s unreachable (%s); trying another",
                                     request_id, inst.url, describe(e))
                         return False
+                    got = 0  # the headers came
                     try:
                         if resp.status_code >= 300:
                             content = await resp.aread()
@@ -316,7 +317,7 @@ class Proxy:
                             raise RouterError(502, f"decode instance {inst.url} failed with HTTP "
                                               f"{resp.status_code}: {_short(content)}", "upstream_error")
                         ctype = resp.headers.get("content-type", "application/json")
-                        first, got = True, 0
+                        first = True
                         whole: list[bytes] = []
                         async for chunk in resp.aiter_bytes():
                             got += len(chunk)
