@@ -34,6 +34,8 @@ from kvbridge.tools.harness import Cluster, EngineGroup, spec_pair
 CONFIG = dict(agent=AgentConfig(num_threads=1), lease_s=2.0, renew_interval_s=0.5,
               handshake_timeout_s=1.0, transfer_timeout_s=2.0)
 FREEZE_S = 3.0  # longer than transfer_timeout_s
+#: the longest a request may take to end, done or failed (a timeout after two handshakes)
+BOUND_S = CONFIG["transfer_timeout_s"] + 2 * CONFIG["handshake_timeout_s"] + 3.0
 LANES = {  # heterogeneous TP both ways, one process per rank
     "pull": dict(prefill_tp=2, decode_tp=1),
     "push": dict(prefill_tp=1, decode_tp=2),
@@ -86,7 +88,6 @@ class Lane:
         self.held_by: Counter = Counter()  # prefill group -> requests held
         self.dead: set[int] = set()  # id() of groups that were killed
         self.departed: Counter = Counter()  # pid -> peer agents that connected to it and went away
-        self.group_of: dict[int, int] = {}  # pid -> id() of its engine group
         #: id() of the engine groups that completed a request ("done") with a peer engine that
         #: is still alive; pid -> the probes (requests finished) that found its group so
         self.connected: set[int] = set()
@@ -100,7 +101,6 @@ class Lane:
             F.KILL_DECODE_RANK: max(1, min(2, per)), F.HOSTILE_SIDE_CHANNEL: 2 * per,
             F.FORGED_NOTIFICATIONS: 2 * per,
         }, first=1, windows={F.KILL_DECODE_RANK: (1, cp_wave - 1)})
-        self.bound_s = self.cfg.transfer_timeout_s + 2 * self.cfg.handshake_timeout_s + 3.0
 
     # ----- helpers -----------------------------------------------------------
     def fail(self, msg: str) -> None:
@@ -111,7 +111,6 @@ class Lane:
         role = "prefill" if grp.role == "p" else "decode"
         for i, pid in enumerate(grp.pids):
             self.labels[pid] = f"{self.name} {role}#{n} rank {grp.groups[i][0]} (pid {pid})"
-            self.group_of[pid] = id(grp)
 
     def _restart(self, role: str) -> None:
         c = self.cluster
@@ -206,7 +205,7 @@ class Lane:
 
     def wait_wave(self, wave: list[Req]) -> None:
         c = self.cluster
-        limit = self.bound_s + self.cfg.lease_s + FREEZE_S + 20.0
+        limit = BOUND_S + self.cfg.lease_s + FREEZE_S + 20.0
         deadline = time.monotonic() + limit
         asked = False
         while True:
@@ -249,8 +248,8 @@ class Lane:
         for r in wave:
             res = c.results[r.rid]
             rep.max_end_s = max(rep.max_end_s, r.t_end - r.t_submit)
-            if r.t_end - r.t_submit > self.bound_s:
-                self.fail(f"{r.rid} ended after {r.t_end - r.t_submit:.1f} s > {self.bound_s:.1f} s")
+            if r.t_end - r.t_submit > BOUND_S:
+                self.fail(f"{r.rid} ended after {r.t_end - r.t_submit:.1f} s > {BOUND_S:.1f} s")
             if r.outcome is None:
                 if res.failed:
                     for rank, (kind, invalid, msg) in res.failed.items():
@@ -430,8 +429,7 @@ def run_once(args: argparse.Namespace, seed: int) -> bool:
             failure = exc
             reports.append(lane.report)
             break
-    bound_s = CONFIG["transfer_timeout_s"] + 2 * CONFIG["handshake_timeout_s"] + 3
-    print_table(reports, time.monotonic() - t0, LANES, bound_s)
+    print_table(reports, time.monotonic() - t0, LANES, BOUND_S)
     if failure is not None:
         print(f"SOAK FAILED (seed {seed}): {failure}", file=sys.stderr, flush=True)
         return False
