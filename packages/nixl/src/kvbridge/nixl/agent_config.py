@@ -27,8 +27,8 @@ class AgentConfig:
 
     ``split_batch_size`` is the UCX backend's: a transfer of at least this many
     descriptors (after merging) is split over the ``num_threads`` UCX threads,
-    each copying its share (in host memory UCX copies in the posting thread, so
-    a transfer below it is copied by one thread; NIXL's own default is 1024).
+    each copying its share (in host memory a transfer below it is copied by the
+    posting thread, inside its post; NIXL's own default is 1024).
     It is passed only with two threads or more (with one, a split leaves one chunk
     and only moves the copy from the posting thread to UCX's). Defaults, by
     measurement on the 2-core VM (docs/benchmarks.md, ``kvbridge bench``): 2
