@@ -96,7 +96,7 @@ def _draw(rng: np.random.Generator, nb: int, blocks: int, fragmented: bool) -> t
     return list(range(start, start + blocks)), list(range(start, start + blocks))
 
 
-def _engine_seconds(cluster: Cluster, rid: str, pb: list[int], db: list[int],
+def engine_seconds(cluster: Cluster, rid: str, pb: list[int], db: list[int],
                     post_us: list[float] | None = None) -> float:
     """One request moved alone through the engines: decode ``load()`` -> reported done."""
     cluster.submit(rid, seed=0, p_blocks=pb, d_blocks=db, fill=False, verify=False)
@@ -108,7 +108,7 @@ def _engine_seconds(cluster: Cluster, rid: str, pb: list[int], db: list[int],
     return max(res.done_at.values()) - min(res.loaded_at.values())
 
 
-def _transfer_gbps(cluster: Cluster, tag: str, requests: int, blocks: int, fragmented: bool,
+def transfer_gbps(cluster: Cluster, tag: str, requests: int, blocks: int, fragmented: bool,
                    seed: int, post_us: list[float] | None = None) -> float:
     """Median GB/s of ``requests`` requests, each moved alone (load -> completion, decode side).
 
@@ -119,7 +119,7 @@ def _transfer_gbps(cluster: Cluster, tag: str, requests: int, blocks: int, fragm
     rates = []
     for i in range(requests):
         pb, db = _draw(rng, cluster.num_blocks, blocks, fragmented)
-        dt = _engine_seconds(cluster, f"{tag}-{i}", pb, db, post_us)
+        dt = engine_seconds(cluster, f"{tag}-{i}", pb, db, post_us)
         rates.append(blocks * block_bytes / dt / 1e9)
     return statistics.median(rates)
 
@@ -143,7 +143,7 @@ def _repeat(strided: Cluster, naive: Cluster, bare: BareReader, rep: int, reques
                     dt = bare.read_seconds(db, pb, strided=p == "bare")
                 else:
                     cl = strided if p == "transfer" else naive
-                    dt = _engine_seconds(cl, f"{p}-{g}-{rep}-{i}", pb, db, posts if p == "transfer" else None)
+                    dt = engine_seconds(cl, f"{p}-{g}-{rep}-{i}", pb, db, posts if p == "transfer" else None)
                 rates[p].append(blocks * block_bytes / dt / 1e9)
             pairs[g].append(rates["transfer"][-1] / rates["naive"][-1])
             pairs[f"bare_{g}"].append(rates["bare"][-1] / rates["bare_naive"][-1])
@@ -206,7 +206,7 @@ def run(args: argparse.Namespace) -> dict[str, float]:
         out["first_request_ms"] = (max(res.done_at.values()) - min(res.loaded_at.values())) * 1e3
         for cl in (c, n):
             cl.fill(0, list(range(nb)))
-        _transfer_gbps(n, "warm", 1, blocks, True, 3)
+        transfer_gbps(n, "warm", 1, blocks, True, 3)
         bare.read_seconds(list(range(blocks)), list(range(blocks)))
         posts: list[float] = []
         prep0 = c.rank_stats(c.decode)[0][0]
