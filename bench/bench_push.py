@@ -181,7 +181,10 @@ def main(argv: list[str] | None = None) -> int:
                 defs += [EngineDef(f"{m}-p", model, "prefill", c, cfg), EngineDef(f"{m}-d", model, "decode", c, cfg)]
             engines = pool.use(*defs)
             pairs = {m: (engines[2 * i], engines[2 * i + 1]) for i, m in enumerate(modes)}
+            failed = False
             for r in range(args.rounds + 1):
+                if failed:  # an engine failed: report the rounds measured so far, and why
+                    break
                 prompts = make_prompts([args.prompt_len] * args.num_prompts, seed=1000 + r)
                 for m in modes:
                     p, d = pairs[m]
@@ -192,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
                         run = pool.round(p, d, prompts, args.max_tokens, push=m != "pull")
                     except EngineFailed as exc:
                         problems.append(f"{m} round {r}: {(str(exc).splitlines() or ['?'])[0]}")
-                        return 1
+                        failed = True
+                        break
                     cpu = [(process_cpu_s(x) - c) * 1e3 for x, c in zip(pids, cpu0, strict=True)]
                     dt, pt = _ttft_ms(run.decode["rounds"][0]), _ttft_ms(run.prefill["rounds"][0])
                     ttft = None if dt is None else dt + ((pt or 0.0) if m == "pull" else 0.0)
@@ -249,6 +253,7 @@ def report(rows: dict[str, list[dict[str, Any]]], meta: dict[str, Any], problems
     if lw:
         limit = LAYERS_OF_WRITE * lw["write_ms"]
         ok = lw["left_ms"] <= limit
+        worst_ok = lw["left_max"] <= limit
         print(f"\noverlap: after the last layer was computed (handed over), layer-by-layer push had {lw['left_ms']:.1f} ms left "
               f"to the decode engine's last arrival (median; worst {lw['left_max']:.1f} ms; to the last "
               f"WRITE's completion {lw['left_to_last_write_ms']:.1f} ms, to the WRITTEN notifications "
@@ -256,12 +261,20 @@ def report(rows: dict[str, list[dict[str, Any]]], meta: dict[str, Any], problems
               f"{lw['forward_tail_ms']:.1f} ms after the last layer); target <= {LAYERS_OF_WRITE:g} layers' "
               f"WRITEs = {limit:.1f} ms: {'PASS' if ok else 'FAIL'} (WRITE posted {lw['post_lag_ms']:.1f} ms after "
               "its layer was handed over, median)")
+        print(f"overlap, worst round: {lw['left_max']:.1f} ms left against the same {limit:.1f} ms: "
+              f"{'PASS' if worst_ok else 'FAIL'}")
         others = {m: summary[m]["ttft_ms"] for m in ("pull", "push-whole") if m in summary}
         if others:
             faster = all(lw["ttft_ms"] < v for v in others.values())
+            verdict = ("PASS" if faster else "FAIL") if len(others) == 2 else \
+                "n/a (run pull and push-whole too)" if faster else "FAIL"
             print(f"decode TTFT: layer by layer {lw['ttft_ms']:.1f} ms vs " +
                   ", ".join(f"{m} {v:.1f} ms" for m, v in others.items()) +
-                  f"; target lower than both: {'PASS' if faster else 'FAIL'}")
+                  f"; target lower than both: {verdict}")
+    n_later = min((sum(1 for x in rs if x["round"] > 0) for rs in rows.values()), default=0)
+    if n_later < 10:
+        print(f"rounds: {n_later} measured per mode after round 0; the issue's target asks for at least 10: "
+              "the verdicts above are indicative only")
     if problems:
         print("PROBLEMS:\n  " + "\n  ".join(problems[:10]))
     if json_path:

@@ -14,6 +14,7 @@ from typing import Any
 
 TTFT_RATIO = 0.8
 OVERHEAD_MS = 60.0
+MIN_STEADY_ROUNDS = 10  # issue 23: at least 10 rounds each, judged on the rounds after the first
 
 Verdict = tuple[str, str, str, str, str]  # connector, figure, value, target, PASS/FAIL/n/a
 
@@ -63,6 +64,9 @@ def verdicts(results: Sequence[dict[str, Any]]) -> list[Verdict]:
                     "yes" if not s["no_kv_rounds"] and s["rounds"] else
                     f"no bytes in rounds {s['no_kv_rounds']}", "every round",
                     "PASS" if s["rounds"] and not s["no_kv_rounds"] else "FAIL"))
+        steady = sum(1 for r in res.get("rounds", [])[1:] if r.get("ttft_ms") is not None)
+        out.append((name, "steady rounds measured (after round 0)", str(steady), f">= {MIN_STEADY_ROUNDS}",
+                    "PASS" if steady >= MIN_STEADY_ROUNDS else "FAIL"))
         out.append((name, "clean run (failure counters, failure log lines)",
                     "none" if not s["problems"] else "; ".join(s["problems"])[:120], "none",
                     "PASS" if not s["problems"] else "FAIL"))

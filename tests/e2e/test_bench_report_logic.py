@@ -116,3 +116,65 @@ def test_load_phases_split_each_round_from_the_decode_timeline() -> None:
     # a round whose requests never reported is left out; no timeline, no rounds
     assert len(lp.load_phases("\n".join(x for x in lines if "200." not in x or "load_seen" not in x), 2)) == 1
     assert lp.load_phases("nothing here", 2) == []
+
+
+def test_side_by_side_needs_ten_steady_rounds() -> None:
+    rep = _bench("side_by_side_report")
+    vs = rep.verdicts([_res("kvbridge", [50] + [8] * 9), _res("nixl", [50] + [10] * 10)])
+    assert _verdict(vs, "steady rounds", "kvbridge") == "FAIL"  # 9 after round 0
+    assert _verdict(vs, "steady rounds", "nixl") == "PASS"
+
+
+def test_serving_push_needs_decode_arrivals_and_every_setup_measured() -> None:
+    srv = _bench("bench_serving")
+    b, n, _ = srv.KV_METRICS["push"]
+    # the prefill wrote bytes but the decode engine saw no arrival (it recomputed): not moved
+    assert srv.kv_check("push", {}, {b: 4096.0})["kv"].startswith("FAIL")
+    ok = {"setup": "pull", "rates": [{"kv": "PASS (1 transfers, 1.00 MB)"}]}
+    lines = srv.verdict_lines([ok], [1.0, 2.0, 4.0])
+    assert lines[0].startswith("KV moved in every P/D run: PASS") and lines[1].endswith("PASS")
+    # a P/D setup that failed before its first rate is a run without KV, not one left out
+    lost = {"setup": "nixl", "failed": "stalled", "rates": []}
+    assert "FAIL" in srv.verdict_lines([ok, lost], [1.0, 2.0, 4.0])[0]
+    assert "nixl" in srv.verdict_lines([ok, lost], [1.0, 2.0, 4.0])[0]
+    # a single engine has no KV to move; two rates are not a sweep of three
+    single = {"setup": "single", "failed": "x", "rates": []}
+    assert srv.verdict_lines([ok, single], [1.0, 2.0])[0].startswith("KV moved in every P/D run: PASS")
+    assert srv.verdict_lines([ok], [1.0, 2.0])[1].endswith("FAIL")
+
+
+def _push_row(r: int, ttft: float, left: float | None) -> dict:
+    row = {"round": r, "ttft_ms": ttft, "prefill_ttft_ms": 10.0, "prefill_cpu_ms": 5.0, "decode_cpu_ms": 5.0,
+           "transfer_ms": 3.0, "transfers": 1, "GB/s": 1.0}
+    if left is not None:
+        row.update(left_ms=left, left_to_last_write_ms=left, write_ms=2.0, left_to_notified_ms=left,
+                   forward_tail_ms=1.0, post_lag_ms=0.1)
+    return row
+
+
+def test_push_report_judges_the_worst_round_and_needs_every_mode(capsys: pytest.CaptureFixture[str]) -> None:
+    bp = _bench("bench_push")
+    meta = {"model": "m", "num_prompts": 1, "prompt_len": 1, "rounds": 2, "kv_bytes": 2**20, "load_start": 1.0}
+    rows = {"pull": [_push_row(r, 50.0, None) for r in range(3)],
+            "push-layerwise": [_push_row(r, 40.0, 3.0 + r) for r in range(3)]}  # rounds 1, 2: 4 and 5 ms left
+    assert bp.report(rows, meta, ["pull round 2: the engine died"], None) == 1
+    out = capsys.readouterr().out
+    assert "target <= 2 layers' WRITEs = 4.0 ms: FAIL" in out  # median 4.5 ms
+    assert "worst round: 5.0 ms left against the same 4.0 ms: FAIL" in out
+    assert "target lower than both: n/a" in out  # push-whole was not run
+    assert "indicative only" in out and "the engine died" in out
+
+
+def test_native_progress_default_is_the_cheapest_delay_within_ten_percent() -> None:
+    npb = _bench("bench_native_progress")
+    rows = [{"delay": "off", "result": "no completion", "engine_gbps": 9.0},
+            {"delay": "0", "result": "ok", "engine_gbps": 8.0, "target_idle_cpu_pct": 100.0,
+             "reader_idle_cpu_pct": 100.0},
+            {"delay": "100", "result": "ok", "engine_gbps": 7.5, "target_idle_cpu_pct": 2.0,
+             "reader_idle_cpu_pct": 2.0},
+            {"delay": "1000", "result": "ok", "engine_gbps": 7.3, "target_idle_cpu_pct": 1.0,
+             "reader_idle_cpu_pct": 1.0}]
+    assert npb.choose_delay(rows) == "1000"
+    rows[3]["engine_gbps"] = 6.0  # more than 10 % slower than the best: out
+    assert npb.choose_delay(rows) == "100"
+    assert npb.choose_delay(rows[:1]) is None
