@@ -175,7 +175,7 @@ def engine_idle_cpu(delay: str, seconds: float = 3.0) -> dict:
         time.sleep(0.5)
         for state in ("idle", "holding"):
             if state == "holding":
-                pre.hold("r", list(range(8)))
+                pre.hold("r", (tuple(range(8)),))
                 time.sleep(0.2)
             c0, t0 = time.process_time(), time.monotonic()
             time.sleep(seconds)
