@@ -173,9 +173,10 @@ def main(argv: list[str] | None = None) -> int:
               f"restarts); load {os.getloadavg()[0]:.1f}")
         print(f"first-request overhead p50 {p50:.1f} ms (target < {TARGET_P50_MS:.0f}): "
               f"{'PASS' if p50 < TARGET_P50_MS else 'FAIL'}; p100 {p100:.1f} ms (target < "
-              f"{TARGET_P100_MS:.0f}): {'PASS' if p100 < TARGET_P100_MS else 'FAIL'}; first handshakes "
-              f"{len(ov)} (target >= {MIN_HANDSHAKES}, fresh pairs and restarts both): "
-              f"{'PASS' if len(ov) >= MIN_HANDSHAKES and 0 < fresh < len(ov) else 'FAIL'}")
+              f"{TARGET_P100_MS:.0f}): {'PASS' if p100 < TARGET_P100_MS else 'FAIL'}" +
+              ("" if variant else  # the baseline variant runs fewer pairs by design
+               f"; first handshakes {len(ov)} (target >= {MIN_HANDSHAKES}, fresh pairs and restarts both): "
+               f"{'PASS' if len(ov) >= MIN_HANDSHAKES and 0 < fresh < len(ov) else 'FAIL'}"))
         for kind, sel in (("fresh pairs", 0), ("restarts", 1)):
             xs = [r["overhead_ms"] for r in mine if (r["restart"] > 0) == bool(sel)]
             if xs:

@@ -28,7 +28,7 @@ printed with PASS/FAIL, next to the first-request overheads (target < 60 ms) and
 ``--round-deadline-s``, its engine log tails and matching lines are printed and
 saved, and the other connector's rounds go on.
 
-Needs the e2e environment (scripts/setup_e2e_env.sh). Prints figures only.
+Needs the e2e environment (scripts/setup_e2e_env.sh). Prints each figure of issue 23 with its target and PASS/FAIL.
 """
 
 from __future__ import annotations
@@ -136,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-family", choices=("llama", *FAMILIES), default="llama")
     ap.add_argument("--connector", action="append", choices=sorted(BENCH_CONNECTORS),
-                    help="the two connectors, A then B (default: kvbridge, nixl-host)")
+                    help="the two connectors, in the order their rounds run (default: kvbridge, nixl-host); "
+                         "the verdicts judge kvbridge against the other")
     ap.add_argument("--rounds", type=int, default=11,
                     help="rounds per connector, round 0 (the first request) included (>= 2; the default "
                          "gives the 10 steady rounds issue 23 asks for)")

@@ -47,8 +47,8 @@ with a short run (3 prompts of 150 tokens, 3 rounds); it prints the same decode 
 and first-request overhead for both connectors. Its KV per round is the attention
 layers' share estimated as for the Llama (Mamba state comes on top).
 
-Needs the e2e environment (scripts/setup_e2e_env.sh). Prints figures only; it
-asserts nothing about speed.
+Needs the e2e environment (scripts/setup_e2e_env.sh). Prints each figure of issue 23
+with its target and PASS/FAIL; its exit status reflects failed runs, not missed targets.
 """
 
 from __future__ import annotations

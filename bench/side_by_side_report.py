@@ -1,9 +1,10 @@
 """Figures and verdicts of bench_side_by_side.py (pure functions over its round records).
 
 A result is ``{"label", "rounds": [{"ttft_ms", "bytes", "GB/s", "load", "problems"}...],
-"failed"?: str, "evidence"?: {...}}`` per connector, A first; round 0 is the first
-request. Targets (issue 23): A's steady decode TTFT <= 0.8x B's; first-request
-overhead < 60 ms; KV moved (decode bytes > 0) in every round; a clean run.
+"failed"?: str, "evidence"?: {...}}`` per connector, A (kvbridge) first; round 0 is the
+first request. Targets (issue 23): A's steady decode TTFT <= 0.8x B's; at least 10
+steady rounds (after round 0); first-request overhead < 60 ms; KV moved (decode
+bytes > 0) in every round; a clean run.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Logic of bench_side_by_side.py's report and bench_serving.py's KV check (no engines)."""
+"""Logic of the benchmarks' reports and verdicts (side by side, serving, push, first request's
+phases, native progress), without engines."""
 
 from __future__ import annotations
 
@@ -130,17 +131,24 @@ def test_serving_push_needs_decode_arrivals_and_every_setup_measured() -> None:
     b, n, _ = srv.KV_METRICS["push"]
     # the prefill wrote bytes but the decode engine saw no arrival (it recomputed): not moved
     assert srv.kv_check("push", {}, {b: 4096.0})["kv"].startswith("FAIL")
-    ok = {"setup": "pull", "rates": [{"kv": "PASS (1 transfers, 1.00 MB)"}]}
-    lines = srv.verdict_lines([ok], [1.0, 2.0, 4.0])
+    assert srv.kv_check("push", {}, {b: 4096.0, n: 1.0})["kv"].startswith("PASS")
+
+    def rates(*rs: float) -> list[dict]:
+        return [{"rate": r, "kv": "PASS (1 transfers, 1.00 MB)"} for r in rs]
+
+    ok = {"setup": "pull", "rates": rates(1.0, 2.0, 4.0)}
+    lines = srv.verdict_lines([ok])
     assert lines[0].startswith("KV moved in every P/D run: PASS") and lines[1].endswith("PASS")
-    # a P/D setup that failed before its first rate is a run without KV, not one left out
-    lost = {"setup": "nixl", "failed": "stalled", "rates": []}
-    assert "FAIL" in srv.verdict_lines([ok, lost], [1.0, 2.0, 4.0])[0]
-    assert "nixl" in srv.verdict_lines([ok, lost], [1.0, 2.0, 4.0])[0]
-    # a single engine has no KV to move; two rates are not a sweep of three
+    # a P/D setup that failed, before its first rate or after some, is a run without KV
+    for lost in ({"setup": "nixl", "failed": "stalled", "rates": []},
+                 {"setup": "nixl", "failed": "stalled", "rates": rates(1.0)}):
+        line = srv.verdict_lines([ok, lost])[0]
+        assert line.startswith("KV moved in every P/D run: FAIL") and "nixl" in line
+    # a single engine has no KV to move; its failure fails the rates check (it measured none)
     single = {"setup": "single", "failed": "x", "rates": []}
-    assert srv.verdict_lines([ok, single], [1.0, 2.0])[0].startswith("KV moved in every P/D run: PASS")
-    assert srv.verdict_lines([ok], [1.0, 2.0])[1].endswith("FAIL")
+    assert srv.verdict_lines([ok, single])[0].startswith("KV moved in every P/D run: PASS")
+    assert srv.verdict_lines([ok, single])[1].endswith("FAIL")
+    assert srv.verdict_lines([{"setup": "pull", "rates": rates(1.0, 2.0)}])[1].endswith("FAIL")
 
 
 def _push_row(r: int, ttft: float, left: float | None) -> dict:
@@ -155,11 +163,12 @@ def _push_row(r: int, ttft: float, left: float | None) -> dict:
 def test_push_report_judges_the_worst_round_and_needs_every_mode(capsys: pytest.CaptureFixture[str]) -> None:
     bp = _bench("bench_push")
     meta = {"model": "m", "num_prompts": 1, "prompt_len": 1, "rounds": 2, "kv_bytes": 2**20, "load_start": 1.0}
-    rows = {"pull": [_push_row(r, 50.0, None) for r in range(3)],
-            "push-layerwise": [_push_row(r, 40.0, 3.0 + r) for r in range(3)]}  # rounds 1, 2: 4 and 5 ms left
+    lefts = [9.0, 3.0, 3.0, 5.0]  # round 0 is not judged; median of the rest 3 ms, worst 5 ms
+    rows = {"pull": [_push_row(r, 50.0, None) for r in range(4)],
+            "push-layerwise": [_push_row(r, 40.0, x) for r, x in enumerate(lefts)]}
     assert bp.report(rows, meta, ["pull round 2: the engine died"], None) == 1
     out = capsys.readouterr().out
-    assert "target <= 2 layers' WRITEs = 4.0 ms: FAIL" in out  # median 4.5 ms
+    assert "target <= 2 layers' WRITEs = 4.0 ms: PASS" in out
     assert "worst round: 5.0 ms left against the same 4.0 ms: FAIL" in out
     assert "target lower than both: n/a" in out  # push-whole was not run
     assert "indicative only" in out and "the engine died" in out
@@ -175,6 +184,13 @@ def test_native_progress_default_is_the_cheapest_delay_within_ten_percent() -> N
             {"delay": "1000", "result": "ok", "engine_gbps": 7.3, "target_idle_cpu_pct": 1.0,
              "reader_idle_cpu_pct": 1.0}]
     assert npb.choose_delay(rows) == "1000"
+    assert npb.default_verdict(rows, "1000") == "PASS"
+    assert npb.default_verdict(rows, "100") == "FAIL"  # 4 % against 2 %: more than 1 point
+    rows[2]["target_idle_cpu_pct"] = rows[2]["reader_idle_cpu_pct"] = 1.4  # 2.8 % against 2 %: noise
+    assert npb.default_verdict(rows, "100") == "PASS"
+    assert npb.default_verdict(rows, "0") == "FAIL"  # spins: 200 % of a core
+    assert npb.default_verdict(rows, "5000").startswith("n/a")
     rows[3]["engine_gbps"] = 6.0  # more than 10 % slower than the best: out
     assert npb.choose_delay(rows) == "100"
+    assert npb.default_verdict(rows, "1000") == "FAIL"
     assert npb.choose_delay(rows[:1]) is None

@@ -97,7 +97,7 @@ def _draw(rng: np.random.Generator, nb: int, blocks: int, fragmented: bool) -> t
 
 
 def engine_seconds(cluster: Cluster, rid: str, pb: list[int], db: list[int],
-                    post_us: list[float] | None = None) -> float:
+                   post_us: list[float] | None = None) -> float:
     """One request moved alone through the engines: decode ``load()`` -> reported done."""
     cluster.submit(rid, seed=0, p_blocks=pb, d_blocks=db, fill=False, verify=False)
     (res,) = cluster.wait([rid], timeout=120).values()
@@ -109,7 +109,7 @@ def engine_seconds(cluster: Cluster, rid: str, pb: list[int], db: list[int],
 
 
 def transfer_gbps(cluster: Cluster, tag: str, requests: int, blocks: int, fragmented: bool,
-                   seed: int, post_us: list[float] | None = None) -> float:
+                  seed: int, post_us: list[float] | None = None) -> float:
     """Median GB/s of ``requests`` requests, each moved alone (load -> completion, decode side).
 
     ``post_us`` collects how long each ``DecodeEngine.load()`` call took (block ids to posted READs).
