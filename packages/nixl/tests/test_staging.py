@@ -215,6 +215,12 @@ def test_a_failed_copy_fails_the_request_and_frees_its_bytes(monkeypatch):
         assert done == [] and [(f.request_id, f.kind) for f in failed] == [("a", FailureKind.POST)]
         assert "copying staged blocks into place failed: copy broke" in failed[0].message
         assert pair.dec.stats.staged_reads == 2
+        # the other source's READ may still be in flight when the first copy fails: its bytes
+        # are freed once NIXL releases it, on a later poll(), and never before
+        deadline = time.monotonic() + 10
+        while pair.dec.staging.bytes_in_use and time.monotonic() < deadline:
+            pair.dec.poll()
+            time.sleep(0.005)
         assert pair.dec.staging.bytes_in_use == 0
     finally:
         pair.close()
