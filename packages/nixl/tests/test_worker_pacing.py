@@ -281,3 +281,27 @@ def test_drive_gives_up_checking_after_complete_in_background_s(monkeypatch):
         assert not dec._worker.in_job  # no check left behind
     finally:
         decode.close()
+
+
+def test_a_queued_job_counts_as_in_job():
+    """The owner hands the GIL over while a job waits to start, not only while one runs: a
+    worker woken for a job must take the GIL before it can start it (in vLLM a first handshake
+    waited 135 ms for it while ``in_job`` said nothing was going on)."""
+    agent = CountingAgent()
+    w = Worker(agent, "queued", 0.0)  # type: ignore[arg-type]
+    started, gate, second = threading.Event(), threading.Event(), threading.Event()
+    try:
+        w.submit(lambda: (started.set(), gate.wait(10)))
+        assert started.wait(10)
+        w._active = False  # as between two jobs: only the queue can say that one waits
+        assert not w.in_job
+        w.submit(second.set)
+        assert w.in_job  # queued, not started
+        gate.set()
+        assert second.wait(10)
+        deadline = time.monotonic() + 10
+        while w.in_job and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not w.in_job
+    finally:
+        w.close(5)

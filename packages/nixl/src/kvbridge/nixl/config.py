@@ -67,12 +67,13 @@ class EngineConfig:
     #: vLLM prefill worker learns of a finished request (and holds its blocks) only at its
     #: next step
     busy_after_poll_s: float = 5.0
-    #: while the engine's worker thread runs a job (a handshake, posting transfers, checking
-    #: them), ``poll()`` first sleeps this long (seconds; 0: never), so that the worker can
-    #: take the GIL: CPython gives it to a waiting thread only when the holder blocks, and a
-    #: main thread that never blocks but often releases the GIL for an instant (vLLM's engine
-    #: loop while requests wait for their KV) kept a decode worker from finishing its first
-    #: handshake for 0.2-5.7 s (docs/benchmarks.md, first-request overhead)
+    #: while the engine's worker thread has a job queued or running (a handshake, posting
+    #: transfers, checking them), ``poll()`` first sleeps this long (seconds; 0: never), so
+    #: that the worker can take the GIL: CPython gives it to a waiting thread only when the
+    #: holder blocks, and a main thread that never blocks but often releases the GIL for an
+    #: instant (vLLM's engine loop while requests wait for their KV) kept a decode worker
+    #: from finishing its first handshake for 0.2-5.7 s (docs/benchmarks.md, first-request
+    #: overhead), and from starting one for 135 ms while only a running job counted
     gil_handoff_s: float = 0.0002
     #: CPUs the engine's worker thread (handshakes, posting READs and WRITEs, which over
     #: UCX in host memory copy in the posting thread) runs on; None: the CPUs of the thread

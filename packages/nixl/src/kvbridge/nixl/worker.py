@@ -140,11 +140,17 @@ class Worker:
         self._jobs: queue.Queue[Job | None] = queue.Queue()
         #: checks the jobs left, with the monotonic time each is due (worker thread only)
         self._watches: list[tuple[float, Check]] = []
-        #: a job is running, or a check it left (read by the owner's thread to hand it the
-        #: GIL, see ``EngineConfig.gil_handoff_s``)
-        self.in_job = False
+        #: a job is running, or a check it left is pending (worker thread writes)
+        self._active = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
+
+    @property
+    def in_job(self) -> bool:
+        """A job is queued or running, or a check it left is pending. The owner's thread reads
+        it to hand the worker the GIL (``EngineConfig.gil_handoff_s``): a queued job counts,
+        since a worker woken for it must take the GIL before it can start it."""
+        return self._active or not self._jobs.empty()
 
     def submit(self, job: Job) -> None:
         """Run ``job`` on the worker thread after every job submitted before it."""
@@ -179,7 +185,7 @@ class Worker:
             if again is not None:
                 keep.append((time.monotonic() + again, check))
         self._watches[:0] = keep  # checks added by the ones that ran go after the older ones
-        self.in_job = bool(self._watches)
+        self._active = bool(self._watches)
 
     def _next_due(self) -> float:
         """Seconds until the earliest check is due (0: now)."""
@@ -239,7 +245,7 @@ class Worker:
                     time.sleep(self._next_due())
                     self._run_watches()
                 return
-            self.in_job = True
+            self._active = True
             try:
                 job()
             except Exception:  # jobs report their own errors; this is a bug, not a peer's input
