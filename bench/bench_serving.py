@@ -129,7 +129,11 @@ def bench_serve(url: str, tokenizer: Path, rate: float, args: argparse.Namespace
     return json.loads(out.read_text())
 
 
-def kv_check(setup: str, before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
+def kv_check(setup: str, before: dict[str, float], after: dict[str, float],
+             requests: int | None = None) -> dict[str, Any]:
+    """Whether the rate's KV really moved: bytes and transfers grew, no failure counter rose,
+    and (given ``requests``, the requests the rate completed) at least one transfer per
+    request (one decode worker: a request with none was recomputed, not moved)."""
     if setup not in KV_METRICS:
         return {"kv": "n/a (no transfer)"}
     bytes_name, count_name, failures = KV_METRICS[setup]
@@ -140,9 +144,11 @@ def kv_check(setup: str, before: dict[str, float], after: dict[str, float]) -> d
     # bytes > 0 and a transfer count > 0: in push mode the bytes are the prefill server's (what it
     # wrote) and the count the decode server's arrivals, so a decode engine that recomputed
     # instead of receiving the KV fails the check
-    ok = moved > 0 and xfers > 0 and not bad
+    short = requests is not None and xfers < requests
+    ok = moved > 0 and xfers > 0 and not bad and not short
     return {"kv_bytes": moved, "kv_transfers": xfers, "kv_failures": bad,
-            "kv": ("PASS" if ok else "FAIL") + f" ({xfers:.0f} transfers, {moved / 1e6:.2f} MB"
+            "kv": ("PASS" if ok else "FAIL") + f" ({xfers:.0f} transfers"
+                  + (f" for {requests} requests" if requests is not None else "") + f", {moved / 1e6:.2f} MB"
                   + (f"; {bad}" if bad else "") + ")"}
 
 
@@ -174,7 +180,8 @@ def run_setup(setup: str, model: Path, args: argparse.Namespace, workdir: Path) 
             time.sleep(0.5)  # the last request's stats reach /metrics
             row = {"rate": rate, "load": f"{load0} -> {load_average()}",
                    **{k: out.get(k) for k in FIGURES},
-                   **kv_check(setup if decode else "single", before, kv_snapshot(servers))}
+                   **kv_check(setup if decode else "single", before, kv_snapshot(servers),
+                              out.get("completed"))}
             res["rates"].append(row)
             print(f"[{setup}] rate {rate:g}/s: {row['completed']} done, {row['failed']} failed, TTFT p50 "
                   f"{row['median_ttft_ms']:.1f} p99 {row['p99_ttft_ms']:.1f} ms, ITL p50 "

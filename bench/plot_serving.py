@@ -43,6 +43,8 @@ def main(argv: list[str]) -> int:
             ax.plot([r["rate"] for r in rows], [r[key] for r in rows], marker="o", label=LABELS.get(name, name))
         ax.set_xlabel("request rate (req/s)")
         ax.set_ylabel(label)
+        if key.endswith("ttft_ms"):  # NixlConnector's stalls reach seconds, kvbridge's tens of ms
+            ax.set_yscale("log")
         ax.grid(alpha=0.3)
     axes[0].legend()
     fig.suptitle("vllm bench serve through kvbridge router (tiny Llama, 2 cores); " + "; ".join(titles),

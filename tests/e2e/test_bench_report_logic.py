@@ -129,9 +129,14 @@ def test_side_by_side_needs_ten_steady_rounds() -> None:
 def test_serving_push_needs_decode_arrivals_and_every_setup_measured() -> None:
     srv = _bench("bench_serving")
     b, n, _ = srv.KV_METRICS["push"]
+    names = srv.KV_METRICS["pull"]
     # the prefill wrote bytes but the decode engine saw no arrival (it recomputed): not moved
     assert srv.kv_check("push", {}, {b: 4096.0})["kv"].startswith("FAIL")
     assert srv.kv_check("push", {}, {b: 4096.0, n: 1.0})["kv"].startswith("PASS")
+    # fewer transfers than requests: some were recomputed
+    assert srv.kv_check("pull", {}, {names[0]: 4096.0, names[1]: 7.0}, requests=16)["kv"].startswith("FAIL")
+    assert srv.kv_check("pull", {}, {names[0]: 4096.0, names[1]: 16.0}, requests=16)["kv"].startswith(
+        "PASS (16 transfers for 16 requests")
 
     def rates(*rs: float) -> list[dict]:
         return [{"rate": r, "kv": "PASS (1 transfers, 1.00 MB)"} for r in rs]
