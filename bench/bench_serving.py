@@ -25,7 +25,9 @@ For every P/D rate the servers' /metrics must show transfer bytes that grew duri
 that rate (and no failure counter rising), so a silent local recompute cannot pass:
 the check prints PASS/FAIL next to the figures. Pull and NixlConnector: the decode
 server's bytes and transfers; push: the bytes the prefill server wrote and the
-arrivals the decode server counted. Figures only; no speed target.
+arrivals the decode server counted; every kind needs a transfer per completed request.
+It prints that check and the number of rates every setup measured with PASS/FAIL;
+no speed target.
 """
 
 from __future__ import annotations

@@ -76,7 +76,8 @@ class EngineConfig:
     #: overhead), and from starting one for 135 ms while only a running job counted
     gil_handoff_s: float = 0.0002
     #: CPUs the engine's worker thread (handshakes, posting READs and WRITEs, which over
-    #: UCX in host memory copy in the posting thread) runs on; None: the CPUs of the thread
+    #: UCX in host memory copy in the posting thread unless NIXL splits them over its UCX
+    #: threads) runs on; None: the CPUs of the thread
     #: that built the engine. See :func:`all_cpus`
     worker_cpus: tuple[int, ...] | None = None
     #: at start, connect the agent once to a throwaway agent in this process and move a few

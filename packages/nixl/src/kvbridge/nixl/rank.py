@@ -242,7 +242,7 @@ class RankEngine:
 
     def _polled(self) -> None:
         """Called by ``poll()``: the owner is stepping, so peers may be about to transfer; and
-        while the worker runs a job, the owner pauses to let it take the GIL
+        while the worker has a job queued or running, the owner pauses to let it take the GIL
         (``gil_handoff_s``)."""
         self._busy_until = time.monotonic() + self.config.busy_after_poll_s
         if self.config.gil_handoff_s and self._worker.in_job:
