@@ -236,7 +236,7 @@ def report(rows: dict[str, list[dict[str, Any]]], meta: dict[str, Any], problems
             v = [x[k] for x in xs if x.get(k) is not None and x[k] == x[k]]
             return statistics.median(v) if v else float("nan")
 
-        summary[m] = {"ttft_ms": statistics.median(t), "ttft_min": min(t), "ttft_max": max(t),
+        summary[m] = {"rounds": len(later), "ttft_ms": statistics.median(t), "ttft_min": min(t), "ttft_max": max(t),
                       "transfer_ms": med("transfer_ms"), "GB/s": med("GB/s"), "left_ms": med("left_ms"),
                       "left_to_last_write_ms": med("left_to_last_write_ms"), "write_ms": med("write_ms"),
                       "left_to_notified_ms": med("left_to_notified_ms"),
@@ -274,8 +274,7 @@ def report(rows: dict[str, list[dict[str, Any]]], meta: dict[str, Any], problems
                   f"; target lower than both: {verdict}")
     else:
         print("\noverlap and TTFT targets: n/a (layer-by-layer push has no measured round)")
-    n_later = min((sum(1 for x in rs if x["round"] > 0 and x["ttft_ms"] is not None) for rs in rows.values()),
-                  default=0)
+    n_later = min((summary[m]["rounds"] if m in summary else 0 for m in rows), default=0)
     if n_later < 10:
         print(f"rounds: {n_later} measured per mode after round 0; the issue's target asks for at least 10: "
               "the verdicts above are indicative only")

@@ -42,6 +42,7 @@ def summary(res: dict[str, Any]) -> dict[str, Any]:
         "rounds": len(rounds),
         "first_ms": first,
         "steady_ms": steady,
+        "steady_rounds": len(later),
         "steady_min_ms": min(later) if later else None,
         "steady_max_ms": max(later) if later else None,
         "overhead_ms": first - steady if first is not None and steady is not None else None,
@@ -65,9 +66,8 @@ def verdicts(results: Sequence[dict[str, Any]]) -> list[Verdict]:
                     "yes" if not s["no_kv_rounds"] and s["rounds"] else
                     f"no bytes in rounds {s['no_kv_rounds']}", "every round",
                     "PASS" if s["rounds"] and not s["no_kv_rounds"] else "FAIL"))
-        steady = sum(1 for r in res.get("rounds", [])[1:] if r.get("ttft_ms") is not None)
-        out.append((name, "steady rounds measured (after round 0)", str(steady), f">= {MIN_STEADY_ROUNDS}",
-                    "PASS" if steady >= MIN_STEADY_ROUNDS else "FAIL"))
+        out.append((name, "steady rounds measured (after round 0)", str(s["steady_rounds"]),
+                    f">= {MIN_STEADY_ROUNDS}", "PASS" if s["steady_rounds"] >= MIN_STEADY_ROUNDS else "FAIL"))
         out.append((name, "clean run (failure counters, failure log lines)",
                     "none" if not s["problems"] else "; ".join(s["problems"])[:120], "none",
                     "PASS" if not s["problems"] else "FAIL"))

@@ -82,8 +82,9 @@ GEOMETRIES = ("contiguous", "fragmented")
 PATHS = ("transfer", "naive", "bare", "bare_naive")
 
 
-def _model(engine_id: str, tp: int = 1) -> EngineSpec:
-    # 16 layers x (K + V) x 8 heads x 128 x bf16 = 64 KiB per token
+def bench_model(engine_id: str, tp: int = 1) -> EngineSpec:
+    """The bench's model: 16 layers x (K + V) x 8 heads x 128 x bf16 = 64 KiB per token,
+    16-token blocks (1 MiB per block at TP 1)."""
     return EngineSpec(engine_id, tp, 8, 128, 16, 16, "bf16")
 
 
@@ -193,12 +194,12 @@ def run(args: argparse.Namespace) -> dict[str, float]:
     cfg = EngineConfig(agent=agent, transfer_timeout_s=120)
     naive_cfg = replace(cfg, allow_strided=False)
     nb = max(blocks * 4, 256)
-    model = _model("bench-prefill"), _model("bench-decode")
+    model = bench_model("bench-prefill"), bench_model("bench-decode")
     # forkserver: the five processes fork from one that imported torch and NIXL once
     with Cluster(*model, num_blocks=nb, config=cfg, start_method="forkserver") as c, \
             Cluster(*model, num_blocks=nb, config=cfg, decode_config=naive_cfg,
                     start_method="forkserver") as n, \
-            BareReader(_model("bench-bare"), nb, agent=replace(agent, telemetry=False),
+            BareReader(bench_model("bench-bare"), nb, agent=replace(agent, telemetry=False),
                        start_method="forkserver") as bare:
         # first request of a fresh pair: handshake + plan + lists + first transfer
         c.submit("first", seed=0, p_blocks=list(range(blocks)), d_blocks=list(range(blocks)), verify=False)
